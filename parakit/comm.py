@@ -1,0 +1,282 @@
+"""Communication, made visible: a meter for every collective and point-to-point call, and
+ring all-reduce built from send/recv.
+
+    with CommLog() as log:
+        dist.all_reduce(x)
+    log.count("all_reduce"), log.nbytes("all_reduce"), log.wire_bytes()
+
+The meter wraps the functions of `torch.distributed` (both `dist.X` and
+`torch.distributed.distributed_c10d.X`) once, the first time it is used. Each wrapped call
+is recorded as a `CommRecord` in every open `CommLog` and also moves `TRACKER`, which the
+launcher reads to say where a rank waits when ranks hang. A call made from inside another
+wrapped call (`all_gather_into_tensor` calling `all_gather_single`) is recorded once, as the
+outer one. Collectives issued from C++ (the reducer of torch's DDP) are not seen.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+__all__ = ["CommLog", "CommRecord", "ring_all_reduce", "ring_bytes", "TRACKER"]
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One call on this rank: `nbytes` is the size of the tensors this rank passes in
+    (for all_gather its own input, for reduce_scatter the full input, for recv the buffer)."""
+
+    op: str
+    nbytes: int
+    group_size: int
+    rank: int  # this rank's index in the group
+    peer: int | None  # the other rank of a send/recv, else None
+    root: int | None  # src/dst of a rooted collective, else None
+    seconds: float
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes this rank sends with the bandwidth-optimal (ring or chain) algorithm."""
+        return ring_bytes(self.op, self.nbytes, self.group_size, self.rank, self.root)
+
+
+def ring_bytes(op: str, nbytes: int, n: int, rank: int = 0, root: int | None = None) -> int:
+    """Bytes one rank sends for `op` on `n` ranks in a ring (or chain) algorithm.
+
+    all_reduce sends 2(n-1)/n of the tensor; reduce-scatter (n-1)/n of its full input;
+    all-gather (n-1) times its own input; broadcast and reduce pass the whole tensor along
+    a chain (the last rank of the chain sends nothing); gather sends the input to the root
+    and scatter sends (n-1) pieces from the root.
+    """
+    kind = op.removeprefix("_").split("_base")[0]
+    if kind in ("send", "isend"):
+        return nbytes
+    if n <= 1 or kind in ("recv", "irecv", "barrier"):
+        return 0
+    if kind == "all_reduce":
+        return 2 * (n - 1) * nbytes // n
+    if kind.startswith("reduce_scatter") or kind.startswith("all_to_all"):
+        return (n - 1) * nbytes // n
+    if kind.startswith("all_gather"):
+        return (n - 1) * nbytes
+    if kind in ("broadcast", "reduce"):
+        last = ((root or 0) - 1) % n if kind == "broadcast" else root
+        return 0 if rank == last else nbytes
+    if kind == "gather":
+        return 0 if rank == root else nbytes
+    if kind == "scatter":
+        return (n - 1) * nbytes if rank == root else 0
+    raise ValueError(f"no ring model for op {op!r}")
+
+
+class _Tracker:
+    """Where this rank is in its communication: how many calls it made since `reset`, and
+    the call it is inside now (op, sequence number, start time), or None."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.seq = 0
+        self.current: tuple[str, int, float] | None = None
+        self.last: tuple[str, int] | None = None
+
+
+TRACKER = _Tracker()
+_OPEN_LOGS: list["CommLog"] = []
+_depth = 0
+
+# op name -> (tensor arguments whose bytes count, name of the peer argument, name of the root argument)
+_OPS = {
+    "all_reduce": (("tensor",), None, None),
+    "broadcast": (("tensor",), None, "src"),
+    "reduce": (("tensor",), None, "dst"),
+    "all_gather": (("tensor",), None, None),
+    "all_gather_into_tensor": (("input_tensor",), None, None),
+    "all_gather_single": (("input_tensor",), None, None),
+    "_all_gather_base": (("input_tensor",), None, None),
+    "reduce_scatter": (("input_list",), None, None),
+    "reduce_scatter_tensor": (("input",), None, None),
+    "reduce_scatter_single": (("input",), None, None),
+    "_reduce_scatter_base": (("input",), None, None),
+    "all_to_all": (("input_tensor_list",), None, None),
+    "all_to_all_single": (("input",), None, None),
+    "gather": (("tensor",), None, "dst"),
+    "scatter": (("tensor",), None, "src"),
+    "barrier": ((), None, None),
+    "send": (("tensor",), "dst", None),
+    "recv": (("tensor",), "src", None),
+    "isend": (("tensor",), "dst", None),
+    "irecv": (("tensor",), "src", None),
+}
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _wrap(name: str, fn):
+    tensor_args, peer_arg, root_arg = _OPS[name]
+    signature = inspect.signature(fn)
+
+    def metered(*args, **kwargs):
+        global _depth
+        if _depth:  # called from inside another metered call: that one is recorded
+            return fn(*args, **kwargs)
+        TRACKER.seq += 1
+        TRACKER.current = (name, TRACKER.seq, time.monotonic())
+        _depth += 1
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds = time.perf_counter() - start
+            _depth -= 1
+            TRACKER.last, TRACKER.current = TRACKER.current[:2], None
+            if _OPEN_LOGS:
+                bound = signature.bind_partial(*args, **kwargs).arguments
+                record = _record(name, bound, tensor_args, peer_arg, root_arg, seconds)
+                for log in _OPEN_LOGS:
+                    log.records.append(record)
+
+    metered.__wrapped__ = fn
+    metered.__doc__ = fn.__doc__
+    metered.__name__ = fn.__name__
+    metered.__qualname__ = fn.__qualname__
+    metered.__module__ = fn.__module__
+    metered._parakit_metered = True
+    return metered
+
+
+def _record(name, bound, tensor_args, peer_arg, root_arg, seconds) -> CommRecord:
+    group = bound.get("group")
+    in_group = dist.is_initialized()
+    return CommRecord(
+        op=name,
+        nbytes=sum(_nbytes(bound.get(a)) for a in tensor_args),
+        group_size=dist.get_world_size(group) if in_group else 1,
+        rank=dist.get_rank(group) if in_group else 0,
+        peer=bound.get(peer_arg) if peer_arg else None,
+        root=bound.get(root_arg) if root_arg else None,
+        seconds=seconds,
+    )
+
+
+def install() -> None:
+    """Wrap torch.distributed's communication functions with the meter (idempotent)."""
+    for name in _OPS:
+        fn = getattr(c10d, name, None)
+        if fn is None or getattr(fn, "_parakit_metered", False):
+            continue
+        metered = _wrap(name, fn)
+        setattr(c10d, name, metered)
+        if getattr(dist, name, None) is fn:
+            setattr(dist, name, metered)
+
+
+class CommLog:
+    """Records every communication call this rank makes while the `with` block is open.
+
+    Attributes: `records`, a list of CommRecord in call order.
+    """
+
+    def __init__(self):
+        self.records: list[CommRecord] = []
+
+    def __enter__(self) -> "CommLog":
+        install()
+        _OPEN_LOGS.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _OPEN_LOGS.remove(self)
+
+    def _select(self, op):
+        ops = (op,) if isinstance(op, str) else op
+        return [r for r in self.records if ops is None or r.op in ops]
+
+    def count(self, op: str | tuple[str, ...] | None = None) -> int:
+        """Number of calls (of `op`, or of any op)."""
+        return len(self._select(op))
+
+    def nbytes(self, op: str | tuple[str, ...] | None = None) -> int:
+        """Tensor bytes passed in (of `op`, or of every call)."""
+        return sum(r.nbytes for r in self._select(op))
+
+    def wire_bytes(self, op: str | tuple[str, ...] | None = None) -> int:
+        """Bytes this rank sends, by the ring model for collectives, exactly for sends."""
+        return sum(r.wire_bytes for r in self._select(op))
+
+    def seconds(self, op: str | tuple[str, ...] | None = None) -> float:
+        return sum(r.seconds for r in self._select(op))
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """{op: {"count", "nbytes", "wire_bytes", "seconds"}} in order of first use."""
+        rows: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(("count", "nbytes", "wire_bytes", "seconds"), 0))
+        for r in self.records:
+            row = rows[r.op]
+            row["count"] += 1
+            row["nbytes"] += r.nbytes
+            row["wire_bytes"] += r.wire_bytes
+            row["seconds"] += r.seconds
+        return dict(rows)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{op} x{int(row['count'])} ({int(row['nbytes'])} B)" for op, row in self.summary().items())
+        return f"CommLog({parts or 'no calls'})"
+
+
+_REDUCE = {
+    dist.ReduceOp.SUM: torch.Tensor.add_,
+    dist.ReduceOp.PRODUCT: torch.Tensor.mul_,
+    dist.ReduceOp.MAX: lambda a, b: torch.maximum(a, b, out=a),
+    dist.ReduceOp.MIN: lambda a, b: torch.minimum(a, b, out=a),
+}
+
+
+def ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """All-reduce `tensor` in place with a ring of send/recv, and return it.
+
+    The flat tensor is cut into n chunks (sizes differ by at most one element). In n-1
+    reduce-scatter steps each rank sends one chunk to its right neighbour and adds the
+    chunk it receives from the left; in n-1 all-gather steps the reduced chunks travel
+    once around the ring. Each rank sends 2(n-1) chunks: 2(n-1)/n of the tensor's bytes.
+    """
+    if op not in _REDUCE:
+        raise ValueError(f"ring_all_reduce supports SUM, PRODUCT, MAX and MIN, not {op}")
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    if n == 1:
+        return tensor
+    flat = tensor.detach().reshape(-1).clone()  # [numel], contiguous
+    chunks = flat.tensor_split(n)  # n views of ~numel/n
+    right, left = _global(group, (rank + 1) % n), _global(group, (rank - 1) % n)
+    for step in range(n - 1):  # reduce-scatter: chunk (rank+1) % n ends up complete here
+        send, recv = chunks[(rank - step) % n], chunks[(rank - step - 1) % n]
+        incoming = torch.empty_like(recv)
+        _exchange(send, incoming, right, left, group)
+        _REDUCE[op](recv, incoming)
+    for step in range(n - 1):  # all-gather: pass the complete chunks around the ring
+        send, recv = chunks[(rank + 1 - step) % n], chunks[(rank - step) % n]
+        _exchange(send, recv, right, left, group)
+    tensor.detach().copy_(flat.view_as(tensor))
+    return tensor
+
+
+def _global(group, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group) -> None:
+    """Send `send` to `right` while receiving `recv` from `left` (both this many bytes)."""
+    request = dist.isend(send, right, group=group)
+    dist.recv(recv, left, group=group)
+    request.wait()
