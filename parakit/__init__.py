@@ -1,9 +1,9 @@
 """parakit: the reference library of the Parakit course on parallel training in PyTorch."""
 from parakit.comm import CommLog, ring_all_reduce
 from parakit.launcher import (CollectiveHang, LaunchError, LaunchTimeout, RankDied, RankError,
-                              launch, shutdown)
+                              device, launch, shutdown)
 
-__all__ = ["launch", "shutdown", "CommLog", "ring_all_reduce", "LaunchError", "RankError",
+__all__ = ["launch", "device", "shutdown", "CommLog", "ring_all_reduce", "LaunchError", "RankError",
            "RankDied", "CollectiveHang", "LaunchTimeout", "load_ipython_extension"]
 
 

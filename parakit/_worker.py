@@ -8,6 +8,7 @@ thread waits inside a collective), and ends the process when the caller goes awa
 """
 from __future__ import annotations
 
+import ast
 import ctypes
 import inspect
 import io
@@ -215,3 +216,17 @@ def _adopt_seed_style_calls(backend) -> None:
     destroy_process_group.__doc__ = _ORIGINAL["destroy"].__doc__
     dist.init_process_group = dist.distributed_c10d.init_process_group = init_process_group
     dist.destroy_process_group = dist.distributed_c10d.destroy_process_group = destroy_process_group
+
+
+_CELL_NAMESPACE: dict = {"__name__": "__main__"}
+
+
+def run_cell(source: str, filename: str) -> None:
+    """Run a `%%ranks` cell in this rank's namespace, printing its last expression's value."""
+    tree = ast.parse(source, filename)
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    exec(compile(tree, filename, "exec"), _CELL_NAMESPACE)
+    if last is not None:
+        value = eval(compile(ast.Expression(last.value), filename, "eval"), _CELL_NAMESPACE)
+        if value is not None:
+            print(repr(value))

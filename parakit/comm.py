@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["CommLog", "CommRecord", "ring_all_reduce", "ring_bytes", "TRACKER"]
+__all__ = ["CommLog", "CommRecord", "ring_all_reduce", "all_reduce_two_phase", "ring_schedule", "ring_bytes", "TRACKER"]
 
 
 @dataclass(frozen=True)
@@ -257,18 +257,48 @@ def ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> t
     if n == 1:
         return tensor
     flat = tensor.detach().reshape(-1).clone()  # [numel], contiguous
-    chunks = flat.tensor_split(n)  # n views of ~numel/n
+    chunks = flat.tensor_split(n)  # n views of ~numel/n elements
     right, left = _global(group, (rank + 1) % n), _global(group, (rank - 1) % n)
-    for step in range(n - 1):  # reduce-scatter: chunk (rank+1) % n ends up complete here
-        send, recv = chunks[(rank - step) % n], chunks[(rank - step - 1) % n]
-        incoming = torch.empty_like(recv)
-        _exchange(send, incoming, right, left, group)
-        _REDUCE[op](recv, incoming)
-    for step in range(n - 1):  # all-gather: pass the complete chunks around the ring
-        send, recv = chunks[(rank + 1 - step) % n], chunks[(rank - step) % n]
-        _exchange(send, recv, right, left, group)
+    for phase, moves in ring_schedule(n):
+        send, recv = (chunks[i] for i in moves[rank])
+        if phase == "reduce-scatter":
+            incoming = torch.empty_like(recv)
+            _exchange(send, incoming, right, left, group)
+            _REDUCE[op](recv, incoming)
+        else:
+            _exchange(send, recv, right, left, group)
     tensor.detach().copy_(flat.view_as(tensor))
     return tensor
+
+
+def all_reduce_two_phase(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum `tensor` over the group in place as reduce-scatter then all-gather; return it.
+
+    The flat tensor is zero-padded to a multiple of n; reduce-scatter leaves each rank the
+    sum of its 1/n, all-gather brings the n sums back to every rank. Each rank sends
+    (n-1)/n of the padded tensor in each phase: 2(n-1)/n in all, as in `ring_all_reduce`.
+    """
+    n = dist.get_world_size(group)
+    flat = tensor.detach().reshape(-1)
+    padded = torch.zeros(-(-flat.numel() // n) * n, dtype=flat.dtype, device=flat.device)  # [n * ceil(numel/n)]
+    padded[: flat.numel()] = flat
+    piece = torch.empty(padded.numel() // n, dtype=flat.dtype, device=flat.device)  # [ceil(numel/n)]
+    dist.reduce_scatter_single(piece, padded, group=group)
+    dist.all_gather_single(padded, piece, group=group)
+    tensor.detach().copy_(padded[: flat.numel()].view_as(tensor))
+    return tensor
+
+
+def ring_schedule(n: int) -> list[tuple[str, list[tuple[int, int]]]]:
+    """The 2(n-1) steps of ring all-reduce on n ranks, as data.
+
+    Each step is (phase, moves) where moves[rank] = (chunk it sends right, chunk it
+    receives from the left). After the n-1 "reduce-scatter" steps rank r holds the full
+    sum of chunk (r+1) % n; the n-1 "all-gather" steps pass those sums around the ring.
+    """
+    reduce_scatter = [[((r - s) % n, (r - s - 1) % n) for r in range(n)] for s in range(n - 1)]
+    all_gather = [[((r + 1 - s) % n, (r - s) % n) for r in range(n)] for s in range(n - 1)]
+    return [("reduce-scatter", m) for m in reduce_scatter] + [("all-gather", m) for m in all_gather]
 
 
 def _global(group, rank: int) -> int:

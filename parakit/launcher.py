@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from parakit import _worker
 
-__all__ = ["launch", "shutdown", "LaunchError", "RankError", "RankDied", "CollectiveHang", "LaunchTimeout"]
+__all__ = ["launch", "device", "shutdown", "LaunchError", "RankError", "RankDied", "CollectiveHang", "LaunchTimeout"]
 
 DEFAULT_TIMEOUT = 120.0
 HANG_GRACE = 1.5  # seconds every unfinished rank waits in a collective that cannot complete
@@ -78,6 +78,7 @@ def launch(fn, *args, world_size: int, backend: str = "auto", timeout: float = D
     torchrun variables RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set.
     `backend` is "auto", "gloo" or "nccl"; `timeout` is in seconds.
     """
+    __tracebackhide__ = True
     _check_arguments(world_size, timeout)
     backend = resolve_backend(backend, world_size)
     blob = _pickle_task(fn, args)
@@ -100,6 +101,13 @@ def resolve_backend(backend: str, world_size: int) -> str:
                              f"are visible; use backend='gloo' (or 'auto', which picks gloo here)")
         return "nccl"
     raise ValueError(f"backend {backend!r} is not supported: use 'auto', 'gloo' or 'nccl'")
+
+
+def device() -> torch.device:
+    """The device this rank computes on: its GPU when the process group runs NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def shutdown() -> None:
@@ -286,6 +294,8 @@ class _Pool:
             for r in self.ranks:
                 r.conn.send_bytes(message)
             return call.collect()
+        except LaunchError:
+            raise  # the call stopped the pool already where its process group is out of step
         except BaseException:  # KeyboardInterrupt included: no rank may run on
             self.stop()
             raise
@@ -394,6 +404,7 @@ class _Call:
         lines += [self._describe(rank) for rank in range(self.pool.world_size)]
         lines.append("Every rank must make the same collective calls in the same order. "
                      "The ranks were stopped; the next call starts them again.")
+        self.pool.stop()
         return kind("\n".join(lines), {r: self._describe(r) for r in self.unfinished()})
 
     def _describe(self, rank) -> str:

@@ -1,0 +1,97 @@
+"""Figures the lessons draw (matplotlib) and a widget helper that degrades to a static
+figure where no notebook frontend runs (nbval, CI, HTML export).
+
+Every figure is drawn from data the library computes or measures: the ring steps from
+`comm.ring_schedule`, bytes from a `CommLog`, never from numbers typed into a lesson.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+import matplotlib.pyplot as plt
+
+from parakit import comm
+
+PHASE_COLOURS = {"reduce-scatter": "#f4a261", "all-gather": "#2a9d8f"}
+
+
+def ring_steps(n: int, *, ax=None):
+    """Ring all-reduce on n ranks: one row per step, one column per rank; each cell names
+    the chunk the rank sends to its right neighbour (and adds or copies what it receives)."""
+    steps = comm.ring_schedule(n)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(1.2 * n + 2.5, 0.45 * len(steps) + 1.2))
+    for row, (phase, moves) in enumerate(steps):
+        for rank, (send, recv) in enumerate(moves):
+            ax.add_patch(plt.Rectangle((rank, row), 0.94, 0.9, color=PHASE_COLOURS[phase]))
+            ax.text(rank + 0.47, row + 0.45, f"c{send}\u2192  +c{recv}" if phase == "reduce-scatter" else f"c{send}\u2192",
+                    ha="center", va="center", fontsize=8)
+    ax.set_xlim(0, n)
+    ax.set_ylim(len(steps), 0)
+    ax.set_xticks([r + 0.47 for r in range(n)], [f"rank {r}" for r in range(n)])
+    ax.set_yticks([s + 0.45 for s in range(len(steps))],
+                  [f"{phase} {i % (n - 1) + 1}" for i, (phase, _) in enumerate(steps)])
+    ax.set_title(f"ring all-reduce on {n} ranks: {len(steps)} steps, each rank sends 1/{n} of the tensor per step")
+    ax.tick_params(length=0)
+    for side in ("top", "right", "bottom", "left"):
+        ax.spines[side].set_visible(False)
+    return ax.figure
+
+
+def measured_vs_formula(xs: Sequence, measured: Sequence[float], predicted: Sequence[float], *,
+                        xlabel: str, ylabel: str, title: str, ax=None):
+    """Bars for what was measured, dots for what the formula predicts, at each x."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.2))
+    positions = range(len(xs))
+    ax.bar(positions, measured, width=0.6, color="#264653", label="measured")
+    ax.plot(positions, predicted, "o", color="#e76f51", markersize=9, label="formula")
+    ax.set_xticks(list(positions), [str(x) for x in xs])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    return ax.figure
+
+
+def static_only() -> bool:
+    """True where widgets cannot be seen: PARAKIT_STATIC or CI set, or no IPython kernel."""
+    if os.environ.get("PARAKIT_STATIC") or os.environ.get("CI"):
+        return True
+    try:
+        from IPython import get_ipython
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return True
+    shell = get_ipython()
+    return shell is None or not hasattr(shell, "kernel")
+
+
+def explore(draw: Callable, **controls):
+    """Sliders for `draw(**values)`: `controls` maps a name to (low, high[, step]) or a list.
+
+    Where no frontend can show widgets (see `static_only`), draws once with each control at
+    its first value (or its low end) and shows that figure instead.
+    """
+    if static_only():
+        first = {name: spec[0] for name, spec in controls.items()}
+        draw(**first)
+        plt.show()
+        return None
+    import ipywidgets
+
+    def redraw(**values):
+        draw(**values)
+        plt.show()
+
+    return ipywidgets.interact(redraw, **{name: _widget(spec) for name, spec in controls.items()})
+
+
+def _widget(spec):
+    import ipywidgets
+
+    if isinstance(spec, tuple) and all(isinstance(v, int) for v in spec):
+        low, high, *step = spec
+        return ipywidgets.IntSlider(value=low, min=low, max=high, step=step[0] if step else 1)
+    return spec
