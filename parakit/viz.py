@@ -18,15 +18,16 @@ PHASE_COLOURS = {"reduce-scatter": "#f4a261", "all-gather": "#2a9d8f"}
 
 def ring_steps(n: int, *, ax=None):
     """Ring all-reduce on n ranks: one row per step, one column per rank; each cell names
-    the chunk the rank sends to its right neighbour (and adds or copies what it receives)."""
+    the chunk the rank sends to its right neighbour and the chunk it adds (reduce-scatter)
+    or copies (all-gather) from what its left neighbour sends."""
     steps = comm.ring_schedule(n)
     if ax is None:
-        _, ax = plt.subplots(figsize=(1.2 * n + 2.5, 0.45 * len(steps) + 1.2))
+        _, ax = plt.subplots(figsize=(1.3 * n + 2.5, 0.55 * len(steps) + 1.2))
     for row, (phase, moves) in enumerate(steps):
         for rank, (send, recv) in enumerate(moves):
             ax.add_patch(plt.Rectangle((rank, row), 0.94, 0.9, color=PHASE_COLOURS[phase]))
-            ax.text(rank + 0.47, row + 0.45, f"c{send}\u2192  +c{recv}" if phase == "reduce-scatter" else f"c{send}\u2192",
-                    ha="center", va="center", fontsize=8)
+            verb = "add" if phase == "reduce-scatter" else "copy"
+            ax.text(rank + 0.47, row + 0.45, f"send c{send} \u2192\n{verb} c{recv} \u2190", ha="center", va="center", fontsize=8)
     ax.set_xlim(0, n)
     ax.set_ylim(len(steps), 0)
     ax.set_xticks([r + 0.47 for r in range(n)], [f"rank {r}" for r in range(n)])

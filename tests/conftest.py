@@ -1,0 +1,93 @@
+"""Helpers shared by the tests: which processes are alive, and running a small script in a
+fresh interpreter (a cold caller, with its own forkserver)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` is a live process; a zombie (exited, not yet reaped) counts as gone."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("State:"):
+                    return line.split()[1] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return True
+
+
+def wait_gone(pids, timeout: float = 5.0) -> list[int]:
+    """Poll until every pid is gone or `timeout` s have passed; return those still alive."""
+    deadline = time.monotonic() + timeout
+    alive = [p for p in pids if pid_alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if pid_alive(p)]
+    return alive
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
+def live_children(ppid: int) -> set[int]:
+    """The live (not zombie) processes whose parent is `ppid`."""
+    children = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if parent_of(int(entry)) == ppid and pid_alive(int(entry)):
+                    children.add(int(entry))
+            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+                pass
+    return children
+
+
+def write_script(tmp_path: Path, source: str, name: str = "script.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def script_env() -> dict[str, str]:
+    """The environment for a child interpreter: parakit importable from this checkout."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_script(tmp_path: Path, source: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `source` as a script in a fresh interpreter; return its exit code and output."""
+    path = write_script(tmp_path, source)
+    return subprocess.run([sys.executable, str(path)], cwd=tmp_path, env=script_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start_script(tmp_path: Path, source: str) -> subprocess.Popen:
+    """Start `source` in a fresh interpreter, stdout (with stderr) readable line by line."""
+    path = write_script(tmp_path, source)
+    return subprocess.Popen([sys.executable, str(path)], cwd=tmp_path, env=script_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def read_until(process: subprocess.Popen, prefix: str, seen: list[str], timeout: float = 60) -> str:
+    """Read the script's output lines (kept in `seen`) until one starts with `prefix`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if line.startswith(prefix):
+            return line
+    raise AssertionError(f"the script never printed a line starting {prefix!r}; it printed:\n" + "".join(seen))
