@@ -1,0 +1,224 @@
+"""parakit.comm on real ranks (gloo on CPU): CommLog counts every call and its bytes
+exactly, and ring_all_reduce equals dist.all_reduce while sending 2(N-1)/N of the tensor."""
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import parakit
+from parakit import CommLog, ring_all_reduce
+from parakit import comm
+from parakit.comm import ring_bytes
+
+
+def records(log):
+    """(op, nbytes, group_size, rank, peer, root, wire_bytes) for each record, in call order."""
+    return [(r.op, r.nbytes, r.group_size, r.rank, r.peer, r.root, r.wire_bytes) for r in log.records]
+
+
+# ---------------------------------------------------------------- CommLog
+
+def three_all_reduces():
+    with CommLog() as log:
+        for _ in range(3):
+            dist.all_reduce(torch.ones(10))  # float32: 40 bytes each
+    return log.count("all_reduce"), log.nbytes("all_reduce"), log.count(), log.wire_bytes(), log.summary()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_comm_log_counts_three_all_reduces_of_ten_floats(world_size):
+    wire = 3 * 2 * (world_size - 1) * 40 // world_size  # 2(N-1)/N of 40 bytes, three times
+    for count, nbytes, total, wire_bytes, summary in parakit.launch(three_all_reduces, world_size=world_size):
+        assert (count, nbytes, total, wire_bytes) == (3, 120, 3, wire)
+        assert list(summary) == ["all_reduce"]
+        assert {k: summary["all_reduce"][k] for k in ("count", "nbytes", "wire_bytes")} == {
+            "count": 3, "nbytes": 120, "wire_bytes": wire}
+
+
+def every_op():
+    rank, n = dist.get_rank(), dist.get_world_size()
+    with CommLog() as log:
+        dist.all_gather_single(torch.empty(n * 5), torch.ones(5))  # own input: 20 B
+        dist.reduce_scatter_single(torch.empty(5), torch.ones(n * 5))  # full input: n*20 B
+        dist.broadcast(torch.ones(6, dtype=torch.float64), src=1)  # 48 B
+        if rank % 2 == 0:
+            dist.send(torch.ones(7, dtype=torch.int64), rank + 1)  # 56 B
+        else:
+            dist.recv(torch.empty(7, dtype=torch.int64), rank - 1)
+        dist.barrier()
+        dist.all_gather([torch.empty(3) for _ in range(n)], torch.ones(3))  # own input: 12 B
+    return records(log), log.nbytes(), log.wire_bytes()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_each_op_is_recorded_with_its_documented_bytes(world_size):
+    n = world_size
+    for rank, (got, nbytes, wire_bytes) in enumerate(parakit.launch(every_op, world_size=n)):
+        peer = rank + 1 if rank % 2 == 0 else rank - 1
+        expected = [
+            ("all_gather_single", 20, n, rank, None, None, (n - 1) * 20),
+            ("reduce_scatter_single", n * 20, n, rank, None, None, (n - 1) * 20),
+            ("broadcast", 48, n, rank, None, 1, 0 if rank == 0 else 48),  # the chain from 1 ends at 0
+            ("send", 56, n, rank, peer, None, 56) if rank % 2 == 0 else ("recv", 56, n, rank, peer, None, 0),
+            ("barrier", 0, n, rank, None, None, 0),
+            ("all_gather", 12, n, rank, None, None, (n - 1) * 12),
+        ]
+        assert got == expected, f"rank {rank}"
+        assert nbytes == sum(e[1] for e in expected)
+        assert wire_bytes == sum(e[6] for e in expected)
+
+
+def nested_calls():
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # both are deprecated in favour of *_single
+        for call in (lambda: dist.all_gather_into_tensor(torch.empty(2 * dist.get_world_size()), torch.ones(2)),
+                     lambda: dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * dist.get_world_size()))):
+            with CommLog() as log:
+                before = comm.TRACKER.seq
+                call()
+            out.append((records(log), comm.TRACKER.seq - before, comm.TRACKER.last[0]))
+    return out
+
+
+def test_call_made_inside_another_is_recorded_once_as_the_outer_call():
+    n = 2
+    for rank, (gather, scatter) in enumerate(parakit.launch(nested_calls, world_size=n)):
+        # all_gather_into_tensor calls all_gather_single (and reduce_scatter_tensor
+        # reduce_scatter_single) inside: one record, one step of the tracker, the outer name
+        assert gather == ([("all_gather_into_tensor", 8, n, rank, None, None, 8)], 1, "all_gather_into_tensor")
+        assert scatter == ([("reduce_scatter_tensor", 16, n, rank, None, None, 8)], 1, "reduce_scatter_tensor")
+
+
+def two_logs():
+    with CommLog() as outer:
+        dist.all_reduce(torch.ones(4))
+        with CommLog() as inner:
+            dist.broadcast(torch.ones(2), src=0)
+        dist.barrier()
+    return [r.op for r in outer.records], [r.op for r in inner.records]
+
+
+def test_every_open_log_records_each_call():
+    assert parakit.launch(two_logs, world_size=2) == [
+        (["all_reduce", "broadcast", "barrier"], ["broadcast"])] * 2
+
+
+def test_ring_bytes_follow_the_documented_ring_model():
+    assert ring_bytes("all_reduce", 400, 4) == 600  # 2(n-1)/n
+    assert ring_bytes("all_reduce", 400, 1) == 0
+    assert ring_bytes("reduce_scatter_single", 400, 4) == 300  # (n-1)/n of the full input
+    assert ring_bytes("_reduce_scatter_base", 400, 4) == 300
+    assert ring_bytes("all_to_all_single", 400, 4) == 300
+    assert ring_bytes("all_gather_single", 100, 4) == 300  # (n-1) times its own input
+    assert ring_bytes("_all_gather_base", 100, 4) == 300
+    assert [ring_bytes("broadcast", 100, 4, rank, root=2) for rank in range(4)] == [100, 0, 100, 100]
+    assert [ring_bytes("reduce", 100, 4, rank, root=2) for rank in range(4)] == [100, 100, 0, 100]
+    assert [ring_bytes("gather", 100, 4, rank, root=1) for rank in range(4)] == [100, 0, 100, 100]
+    assert [ring_bytes("scatter", 100, 4, rank, root=1) for rank in range(4)] == [0, 300, 0, 0]
+    assert (ring_bytes("send", 100, 4), ring_bytes("isend", 100, 1)) == (100, 100)
+    assert (ring_bytes("recv", 100, 4), ring_bytes("irecv", 100, 4), ring_bytes("barrier", 0, 4)) == (0, 0, 0)
+    with pytest.raises(ValueError, match="no ring model for op 'frobnicate'"):
+        ring_bytes("frobnicate", 100, 4)
+
+
+# ---------------------------------------------------------------- ring all-reduce
+
+SHAPES = [(1,), (3,), (7,), (1000,), (4, 6), (5, 3)]
+DTYPES = [torch.float32, torch.float64]
+OPS = {"SUM": dist.ReduceOp.SUM, "MAX": dist.ReduceOp.MAX, "MIN": dist.ReduceOp.MIN,
+       "PRODUCT": dist.ReduceOp.PRODUCT}
+
+
+def chunk_bytes_sent(numel, n, rank, element_size):
+    """What rank sends in the ring: chunk (rank - s) in reduce-scatter step s, chunk
+    (rank + 1 - s) in all-gather step s, for s < n - 1; chunks as tensor_split makes them."""
+    sizes = [len(c) for c in torch.arange(numel).tensor_split(n)]
+    sent = [sizes[(rank - s) % n] for s in range(n - 1)] + [sizes[(rank + 1 - s) % n] for s in range(n - 1)]
+    return sum(sent) * element_size
+
+
+def ring_against_all_reduce(seed):
+    """Every case on fresh random inputs: (case, max difference, ok flags, bytes sent)."""
+    torch.manual_seed(seed + dist.get_rank())
+    out = []
+    for shape in SHAPES:
+        for dtype in DTYPES:
+            for name, op in OPS.items():
+                x = torch.randn(shape, dtype=dtype)
+                expected = x.clone()
+                dist.all_reduce(expected, op=op)
+                with CommLog() as log:
+                    got = ring_all_reduce(x, op=op)
+                case = (shape, str(dtype), name)
+                out.append((case, got, expected, got is x, x.numel(), x.element_size(), log.count("isend"),
+                            log.count("recv"), log.wire_bytes("isend"), log.wire_bytes(), log.count()))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_ring_all_reduce_equals_dist_all_reduce(world_size):
+    n, seed = world_size, random.randrange(2**31)
+    for rank, cases in enumerate(parakit.launch(ring_against_all_reduce, seed, world_size=n)):
+        assert len(cases) == len(SHAPES) * len(DTYPES) * len(OPS)
+        for case, got, expected, in_place, numel, element_size, isends, recvs, sent, wire, calls in cases:
+            where = f"rank {rank}, case {case}, seed {seed}"
+            assert in_place, where
+            torch.testing.assert_close(got, expected, msg=lambda m: f"{where}: {m}")
+            steps = 2 * (n - 1) if n > 1 else 0
+            assert (isends, recvs, calls) == (steps, steps, 2 * steps), where
+            assert sent == wire == chunk_bytes_sent(numel, n, rank, element_size), where
+
+
+def ring_bytes_of_length(m, dtype):
+    x = torch.ones(m, dtype=dtype)
+    with CommLog() as log:
+        ring_all_reduce(x)
+    return log.wire_bytes("isend"), log.nbytes("isend"), log.nbytes("recv")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ring_all_reduce_sends_two_n_minus_one_over_n_of_the_tensor(world_size, dtype):
+    n, m = world_size, 1200  # divisible by n: every chunk is m/n elements
+    total = m * torch.empty(0, dtype=dtype).element_size()
+    expected = 2 * (n - 1) * total // n
+    assert expected == ring_bytes("all_reduce", total, n)
+    assert parakit.launch(ring_bytes_of_length, m, dtype, world_size=n) == [(expected, expected, expected)] * n
+
+
+def ring_on_subgroup(members):
+    group = dist.new_group(list(members))  # every rank takes part in creating the group
+    x = torch.full((3, 5), float(dist.get_rank() + 1))
+    if dist.get_rank() not in members:
+        return x, []
+    with CommLog() as log:
+        ring_all_reduce(x, group=group)
+    return x, [(r.op, r.group_size, r.rank, r.peer) for r in log.records]
+
+
+@pytest.mark.parametrize("members", [(0, 1), (1, 3)])
+def test_ring_all_reduce_on_a_subgroup_only_its_members_call(members):
+    results = parakit.launch(ring_on_subgroup, members, world_size=4)
+    total = float(sum(r + 1 for r in members))
+    a, b = members
+    for rank, (x, calls) in enumerate(results):
+        if rank in members:
+            torch.testing.assert_close(x, torch.full((3, 5), total))
+            other = b if rank == a else a  # right and left neighbour, as global ranks
+            assert calls == [("isend", 2, members.index(rank), other), ("recv", 2, members.index(rank), other)] * 2
+        else:
+            torch.testing.assert_close(x, torch.full((3, 5), float(rank + 1)))
+            assert calls == []
+
+
+def test_ring_all_reduce_rejects_an_op_it_cannot_compute():
+    def band():
+        ring_all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.BAND)
+
+    with pytest.raises(parakit.RankError, match="ring_all_reduce supports SUM, PRODUCT, MAX and MIN"):
+        parakit.launch(band, world_size=2)
