@@ -1,0 +1,475 @@
+"""The instructors' command: generate the student lessons, validate them, grade a class.
+
+    python -m autograde.course generate [--check]     solutions/*.ipynb -> lessons/*.ipynb
+    python -m autograde.course validate               solutions pass, untouched lessons fail
+    python -m autograde.course grade SUBMISSIONS [--out DIR]
+
+SUBMISSIONS holds one folder per student with that student's notebooks, named as the
+lessons are (`alice/00_collectives.ipynb`). Every notebook is autograded by nbgrader in the
+course root (this folder, see nbgrader_config.py). Under --out (default: autograde/grades/)
+land grades.csv (one row per student and lesson), grades_by_test.csv, report.txt,
+grading.log and feedback/<student>/<lesson>.html. Running it again regrades everything.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import difflib
+import html
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+from nbgrader import utils as nbg_utils
+from nbgrader.api import Gradebook, MissingEntry
+from nbgrader.apps.api import NbGraderAPI
+from nbgrader.coursedir import CourseDirectory
+from nbgrader.validator import Validator
+from traitlets.config.loader import PyFileConfigLoader
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def prepare_environment() -> None:
+    """What nbgrader and the graded kernels need from the environment, headless."""
+    bindir = str(Path(sys.executable).parent)  # nbgrader creates its gradebook with `alembic`
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([bindir, os.environ.get("PATH", "")])
+    os.environ.setdefault("PARAKIT_STATIC", "1")  # widgets draw static figures
+    os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+PROBLEM_ERRORS = {  # error names the executor writes into a failed cell, as the report words them
+    "DeadKernelError": "the kernel died (os._exit, a crash or out of memory)",
+    "UnresponsiveKernel": "the kernel ignored the interrupt and was restarted",
+    "CellTimeoutError": "timed out",
+    "KernelRestartLimit": "not run: too many kernel restarts",
+}
+
+
+class Course:
+    """An nbgrader course rooted at `root`, its assignments taken from `solutions/*.ipynb`."""
+
+    def __init__(self, root: Path = HERE, solutions: Path = REPO / "solutions",
+                 timeout: int | None = None, log: logging.Logger | None = None):
+        prepare_environment()
+        self.root, self.solutions = Path(root).resolve(), Path(solutions).resolve()
+        self.config = PyFileConfigLoader("nbgrader_config.py", path=str(HERE)).load_config()
+        self.config.CourseDirectory.root = str(self.root)
+        if timeout is not None:
+            self.config.Execute.timeout = timeout
+        self.log = log or logging.getLogger("autograde")
+        self._api = None
+
+    @property
+    def api(self) -> NbGraderAPI:
+        if self._api is None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            coursedir = CourseDirectory(config=self.config)
+            self._api = NbGraderAPI(coursedir, config=self.config)
+            self._api.log.setLevel(logging.WARNING)
+        return self._api
+
+    def assignments(self) -> list[str]:
+        """One assignment per solution notebook, named by its stem (`00_collectives`)."""
+        names = sorted(p.stem for p in self.solutions.glob("*.ipynb"))
+        if not names:
+            raise SystemExit(f"no solution notebooks in {self.solutions}")
+        return names
+
+    def release(self) -> dict[str, Path]:
+        """Copy each solution into source/<name>/ and run nbgrader generate_assignment;
+        return the student notebook (release/<name>/<name>.ipynb) of each."""
+        released = {}
+        for name in self.assignments():
+            source = self.root / "source" / name
+            source.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(self.solutions / f"{name}.ipynb", source / f"{name}.ipynb")
+            result = self.api.generate_assignment(name, force=True, create=True)
+            if not result["success"]:
+                raise SystemExit(f"nbgrader generate_assignment failed for {name}:\n"
+                                 f"{result.get('log', '')}{result.get('error', '')}")
+            released[name] = self.root / "release" / name / f"{name}.ipynb"
+        return released
+
+    def validator(self, invert: bool) -> Validator:
+        validator = Validator(config=self.config)
+        validator.invert = invert
+        return validator
+
+
+# ---------------------------------------------------------------------------- generate
+
+VOLATILE = {"execution", "collapsed", "scrolled", "jupyter", "ExecuteTime"}  # set by running or viewing
+
+
+def lesson_view(nb) -> dict:
+    """What must agree between a committed lesson and a fresh one: cell types, sources and
+    metadata (nbgrader's above all). Cell ids, execution counts and outputs are not compared."""
+    return {"cells": [{"cell_type": c.cell_type, "source": c.source,
+                       "metadata": {k: v for k, v in c.get("metadata", {}).items() if k not in VOLATILE}}
+                      for c in nb.cells],
+            "kernelspec": nb.metadata.get("kernelspec")}
+
+
+def describe_drift(committed, fresh) -> str:
+    a, b = lesson_view(committed)["cells"], lesson_view(fresh)["cells"]
+    if len(a) != len(b):
+        return f"{len(a)} cells committed, {len(b)} generated"
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            what = [k for k in x if x[k] != y[k]]
+            gid = y["metadata"].get("nbgrader", {}).get("grade_id")
+            return f"cell {i}{f' ({gid})' if gid else ''}: {', '.join(what)} differ"
+    return "notebook metadata differs"
+
+
+def generate(lessons: Path, solutions: Path, check: bool = False) -> list[str]:
+    """Write lessons/<name>.ipynb for every solution; with `check`, write nothing and
+    return the lines describing every lesson that is not what generation would make."""
+    problems = []
+    with tempfile.TemporaryDirectory(prefix="parakit-generate-") as scratch:
+        course = Course(root=Path(scratch), solutions=solutions)
+        for name, released in course.release().items():
+            fresh = nbformat.read(released, as_version=4)
+            for cell in fresh.cells:
+                if cell.cell_type == "code":
+                    cell.outputs, cell.execution_count = [], None
+            target = lessons / f"{name}.ipynb"
+            if not check:
+                lessons.mkdir(parents=True, exist_ok=True)
+                nbformat.write(fresh, target)
+            elif not target.exists():
+                problems.append(f"{target} is missing")
+            else:
+                committed = nbformat.read(target, as_version=4)
+                if lesson_view(committed) != lesson_view(fresh):
+                    problems.append(f"{target} differs from {solutions / (name + '.ipynb')}: "
+                                    f"{describe_drift(committed, fresh)}")
+        for stale in sorted(set(p.stem for p in lessons.glob("*.ipynb")) - set(course.assignments())):
+            problems.append(f"{lessons / (stale + '.ipynb')} has no solution notebook")
+    return problems
+
+
+# ---------------------------------------------------------------------------- validate
+
+def validate(solutions: Path, lessons: Path, timeout: int | None = None) -> list[str]:
+    """Every solution passes its tests; every untouched lesson fails all of its tests."""
+    course, problems = Course(solutions=solutions, timeout=timeout), []
+    for name in course.assignments():
+        for path, invert in ((solutions / f"{name}.ipynb", False), (lessons / f"{name}.ipynb", True)):
+            if not path.exists():
+                problems.append(f"{path} is missing")
+                continue
+            results = course.validator(invert).validate(str(path))
+            for kind, cells in results.items():
+                for cell in cells:
+                    first = cell["source"].splitlines()[0] if cell["source"] else ""
+                    problems.append(f"{path}: a test cell {kind} ({first[:60]!r})")
+    return problems
+
+
+# ---------------------------------------------------------------------------- grade
+
+@dataclass
+class Result:
+    """One student's grade on one assignment."""
+    student: str
+    assignment: str
+    max_score: float
+    score: float = 0.0
+    status: str = "graded"               # graded | missing | not a notebook | autograde failed
+    tests: dict[str, tuple[float, float]] = field(default_factory=dict)   # grade_id -> (score, max)
+    notes: list[str] = field(default_factory=list)
+
+
+def graded_cells(nb) -> dict[str, dict]:
+    """grade_id -> nbgrader metadata, for the answer and test cells of a notebook."""
+    cells = {}
+    for cell in nb.cells:
+        meta = cell.get("metadata", {}).get("nbgrader", {})
+        if meta.get("grade_id") and (meta.get("grade") or meta.get("solution") or meta.get("locked")):
+            cells[meta["grade_id"]] = dict(meta, _cell=cell)
+    return cells
+
+
+def read_submission(path: Path):
+    """The notebook at `path`, or the reason it is not one."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        return None, f"not a notebook (invalid JSON: {error})"
+    try:
+        return nbformat.reads(json.dumps(data), as_version=4), None
+    except Exception as error:  # nbformat raises several kinds for malformed notebooks
+        return None, f"not a notebook ({type(error).__name__}: {str(error).splitlines()[0]})"
+
+
+def inspect_submission(nb, released) -> list[str]:
+    """Report lines for a submission's missing or edited graded cells."""
+    notes, mine, theirs = [], graded_cells(nb), graded_cells(released)
+    missing_tests = [g for g, m in theirs.items() if m.get("grade") and g not in mine]
+    missing_answers = [g for g, m in theirs.items() if m.get("solution") and not m.get("grade") and g not in mine]
+    if missing_tests:
+        notes.append("missing test cells, scored 0: " + ", ".join(
+            f"{g} ({theirs[g].get('points', 0):g} pt)" for g in missing_tests))
+    if missing_answers:
+        notes.append("missing answer cells (graded on what the notebook defines): " + ", ".join(missing_answers))
+    edited = [g for g, m in theirs.items() if m.get("locked") and g in mine
+              and nbg_utils.compute_checksum(mine[g]["_cell"]) != m.get("checksum")]
+    if edited:
+        notes.append("edited test cells, restored to the instructor's version: " + ", ".join(edited))
+    return notes
+
+
+def execution_notes(autograded: Path) -> list[str]:
+    """Report lines for cells that timed out or took the kernel down while grading."""
+    if not autograded.exists():
+        return []
+    notes = []
+    for index, cell in enumerate(nbformat.read(autograded, as_version=4).cells):
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "error" and output.get("ename") in PROBLEM_ERRORS:
+                gid = cell.metadata.get("nbgrader", {}).get("grade_id")
+                where = gid or (cell.source.strip().splitlines() or [""])[0][:40]
+                notes.append(f"cell {index} ({where}): {PROBLEM_ERRORS[output['ename']]}")
+                break
+    return notes
+
+
+def zero_missing_grades(course: Course, assignment: str, student: str) -> None:
+    """Test cells absent from the submission have no autograde score: make it 0."""
+    with Gradebook(course.api.coursedir.db_url, course.api.coursedir.course_id) as gb:
+        for notebook in gb.find_submission(assignment, student).notebooks:
+            for grade in notebook.grades:
+                if grade.auto_score is None and grade.manual_score is None:
+                    grade.auto_score, grade.needs_manual_grade = 0.0, False
+        gb.db.commit()
+
+
+def scores(course: Course, assignment: str, student: str | None) -> tuple[float, dict]:
+    """The max score and, for `student`, grade_id -> (score, max) from the gradebook."""
+    with Gradebook(course.api.coursedir.db_url, course.api.coursedir.course_id) as gb:
+        if student is None:
+            a = gb.find_assignment(assignment)
+            return a.max_score, {c.name: (0.0, c.max_score) for nb in a.notebooks for c in nb.grade_cells}
+        sub = gb.find_submission(assignment, student)
+        return sub.max_score, {g.name: (g.score, g.max_score) for nb in sub.notebooks for g in nb.grades}
+
+
+def last_error(result: dict) -> str:
+    text = (result.get("error") or "") + (result.get("log") or "")
+    lines = [l for l in text.splitlines() if "Error" in l or "error" in l]
+    return lines[-1].strip() if lines else "see grading.log"
+
+
+def forget(course: Course, assignment: str, student: str) -> None:
+    """Drop what an earlier run graded for this student and assignment (files and gradebook)."""
+    for step in ("submitted", "autograded", "feedback"):
+        shutil.rmtree(course.root / step / student / assignment, ignore_errors=True)
+    with Gradebook(course.api.coursedir.db_url, course.api.coursedir.course_id) as gb:
+        try:
+            gb.remove_submission(assignment, student)
+        except MissingEntry:
+            pass
+
+
+def grade_one(course: Course, student: str, assignment: str, path: Path | None, released) -> Result:
+    max_score, tests = scores(course, assignment, None)
+    result = Result(student, assignment, max_score, tests=tests)
+    if path is None:
+        result.status = "missing"
+        result.notes.append(f"no {assignment}.ipynb submitted")
+        forget(course, assignment, student)
+        return result
+    nb, problem = read_submission(path)
+    if nb is None:
+        result.status = "not a notebook"
+        result.notes.append(f"{path.name}: {problem}")
+        forget(course, assignment, student)
+        return result
+    result.notes += inspect_submission(nb, released)
+    submitted = course.root / "submitted" / student / assignment
+    shutil.rmtree(submitted, ignore_errors=True)
+    submitted.mkdir(parents=True)
+    shutil.copyfile(path, submitted / f"{assignment}.ipynb")
+    graded = course.api.autograde(assignment, student, force=True, create=True)
+    course.log.info("autograde %s %s:\n%s%s", student, assignment, graded.get("log", ""), graded.get("error") or "")
+    if not graded["success"]:
+        result.status = "autograde failed"
+        result.notes.append(f"nbgrader could not grade it: {last_error(graded)}")
+        return result
+    zero_missing_grades(course, assignment, student)
+    result.max_score, result.tests = scores(course, assignment, student)
+    result.score = sum(s for s, _ in result.tests.values())
+    result.notes += execution_notes(course.root / "autograded" / student / assignment / f"{assignment}.ipynb")
+    feedback = course.api.generate_feedback(assignment, student, force=True)
+    if not feedback["success"]:
+        result.notes.append(f"feedback not generated: {last_error(feedback)}")
+    return result
+
+
+STUDENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]*$")
+
+
+def collect(submissions: Path, assignments: list[str]):
+    """student -> assignment -> notebook path (None when absent); report lines per student
+    and assignment for files that match no assignment; report lines for everything else
+    that is not where it should be."""
+    found, strays, notes = {}, {}, []
+    expected = sorted(f"{a}.ipynb" for a in assignments)
+    for entry in sorted(submissions.iterdir()):
+        if entry.name.startswith("."):
+            continue
+        if not entry.is_dir():
+            notes.append(f"{entry.name}: not in a student folder, ignored")
+            continue
+        if not STUDENT_ID.match(entry.name):
+            notes.append(f"{entry.name}/: not a usable student id (letters, digits, _.@- only), ignored")
+            continue
+        files = {p.name: p for p in entry.iterdir() if p.is_file() and not p.name.startswith(".")}
+        found[entry.name] = {a: files.get(f"{a}.ipynb") for a in assignments}
+        for name in sorted(set(files) - set(expected)):
+            close = difflib.get_close_matches(name, expected, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]}? rename it and grade again)" if close else ""
+            target = close[0][:-len(".ipynb")] if close else assignments[0]
+            strays.setdefault((entry.name, target), []).append(
+                f"{name} does not match any assignment{hint}; expected one of " + ", ".join(expected))
+    return found, strays, notes
+
+
+def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
+          solutions: Path = REPO / "solutions", timeout: int | None = None) -> list[Result]:
+    """Autograde every student's notebooks; write the CSVs, feedback and report under `out`."""
+    submissions, out = Path(submissions), Path(out or Path(root) / "grades")
+    if not submissions.is_dir():
+        raise SystemExit(f"{submissions} is not a folder of student folders")
+    if out.resolve() == Path(root).resolve():
+        raise SystemExit("--out must not be the course root itself (nbgrader's folders live there)")
+    out.mkdir(parents=True, exist_ok=True)
+    log = logging.getLogger(f"autograde.{id(out)}")
+    log.setLevel(logging.INFO)
+    handler = logging.FileHandler(out / "grading.log", mode="w")
+    log.addHandler(handler)
+    try:
+        course = Course(root=root, solutions=solutions, timeout=timeout, log=log)
+        released = {name: nbformat.read(path, as_version=4) for name, path in course.release().items()}
+        found, strays, notes = collect(submissions, list(released))
+        results = []
+        for student, paths in found.items():
+            for assignment, path in paths.items():
+                result = grade_one(course, student, assignment, path, released[assignment])
+                result.notes += strays.get((student, assignment), [])
+                results.append(result)
+                print(report_line(result), flush=True)
+        write_outputs(results, notes, course, out)
+        return results
+    finally:
+        log.removeHandler(handler)
+        handler.close()
+
+
+def report_line(r: Result) -> str:
+    head = f"{r.student:<16} {r.assignment:<22} {r.score:g}/{r.max_score:g}"
+    if r.status != "graded":
+        head += f"  [{r.status}]"
+    elif r.score < r.max_score:
+        head += "  failed: " + ", ".join(g for g, (s, m) in r.tests.items() if s < m)
+    return head + "".join(f"\n    - {n}" for n in r.notes)
+
+
+UNGRADED_HTML = """<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>{assignment}: not graded</title></head>
+<body><h1>{assignment}: {score} ({status})</h1><ul>{notes}</ul>
+<p>Hand in the notebook as <code>{assignment}.ipynb</code>, saved from Jupyter, and ask for a regrade.</p>
+</body></html>
+"""
+
+
+def write_outputs(results: list[Result], notes: list[str], course: Course, out: Path) -> None:
+    with open(out / "grades.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["student", "assignment", "score", "max_score", "status", "tests", "notes"])
+        for r in results:
+            w.writerow([r.student, r.assignment, f"{r.score:g}", f"{r.max_score:g}", r.status,
+                        "; ".join(f"{g} {s:g}/{m:g}" for g, (s, m) in r.tests.items()), " | ".join(r.notes)])
+    with open(out / "grades_by_test.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["student", "assignment", "test", "score", "max_score"])
+        for r in results:
+            for g, (s, m) in r.tests.items():
+                w.writerow([r.student, r.assignment, g, f"{s:g}", f"{m:g}"])
+    shutil.rmtree(out / "feedback", ignore_errors=True)
+    for r in results:
+        target = out / "feedback" / r.student / f"{r.assignment}.html"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        made = course.root / "feedback" / r.student / r.assignment / f"{r.assignment}.html"
+        if r.status == "graded" and made.exists():
+            shutil.copyfile(made, target)
+        else:
+            target.write_text(UNGRADED_HTML.format(
+                assignment=html.escape(r.assignment), score=f"{r.score:g}/{r.max_score:g}",
+                status=html.escape(r.status), notes="".join(f"<li>{html.escape(n)}</li>" for n in r.notes)))
+    feedback = out / "feedback"
+    summary = [f"{len({r.student for r in results})} students, {len(results)} notebooks: "
+               f"{sum(r.status == 'graded' for r in results)} graded, "
+               f"{sum(r.status != 'graded' for r in results)} could not be graded"]
+    summary += [f"note: {n}" for n in notes]
+    summary += [f"grades: {out / 'grades.csv'} (per test: {out / 'grades_by_test.csv'})",
+                f"feedback: {feedback}",
+                f"log: {out / 'grading.log'}"]
+    (out / "report.txt").write_text("\n".join([report_line(r) for r in results] + summary) + "\n")
+    print("\n".join(summary))
+
+
+# ---------------------------------------------------------------------------- command line
+
+def main(argv: list[str] | None = None) -> int:
+    warnings.filterwarnings("ignore", module="nbgrader")  # SQLAlchemy 2 noise from nbgrader's ORM
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    parser = argparse.ArgumentParser(prog="python -m autograde.course", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--solutions", type=Path, default=REPO / "solutions", help="instructor notebooks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="solutions/*.ipynb -> lessons/*.ipynb with nbgrader")
+    g.add_argument("--check", action="store_true", help="write nothing; fail if lessons/ is stale")
+    g.add_argument("--lessons", type=Path, default=REPO / "lessons")
+    v = sub.add_parser("validate", help="solutions pass their tests, untouched lessons fail them")
+    v.add_argument("--lessons", type=Path, default=REPO / "lessons")
+    v.add_argument("--timeout", type=int, help="seconds per cell (default: nbgrader_config.py)")
+    r = sub.add_parser("grade", help="autograde a folder of <student>/<lesson>.ipynb")
+    r.add_argument("submissions", type=Path)
+    r.add_argument("--out", type=Path, help="where grades.csv, feedback/ and report.txt go (default: ROOT/grades)")
+    r.add_argument("--root", type=Path, default=HERE, help="nbgrader course root (default: autograde/)")
+    r.add_argument("--timeout", type=int, help="seconds per cell (default: nbgrader_config.py)")
+    args = parser.parse_args(argv)
+
+    if args.command == "generate":
+        problems = generate(args.lessons, args.solutions, check=args.check)
+        for line in problems:
+            print(line)
+        if problems and args.check:
+            print("lessons/ is out of date: run `python -m autograde.course generate` and commit lessons/")
+        if problems:
+            return 1
+        print("lessons/ matches solutions/" if args.check else f"wrote {args.lessons}")
+        return 0
+    if args.command == "validate":
+        problems = validate(args.solutions, args.lessons, timeout=args.timeout)
+        print("\n".join(problems) if problems else "solutions pass, untouched lessons fail: ok")
+        return 1 if problems else 0
+    grade(args.submissions, out=args.out, root=args.root, solutions=args.solutions, timeout=args.timeout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
