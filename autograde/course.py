@@ -60,13 +60,16 @@ class Course:
     """An nbgrader course rooted at `root`, its assignments taken from `solutions/*.ipynb`."""
 
     def __init__(self, root: Path = HERE, solutions: Path = REPO / "solutions",
-                 timeout: int | None = None, log: logging.Logger | None = None):
+                 timeout: int | None = None, log: logging.Logger | None = None, database: bool = True):
         prepare_environment()
         self.root, self.solutions = Path(root).resolve(), Path(solutions).resolve()
         self.config = PyFileConfigLoader("nbgrader_config.py", path=str(HERE)).load_config()
         self.config.CourseDirectory.root = str(self.root)
         if timeout is not None:
             self.config.Execute.timeout = timeout
+        if not database:  # `nbgrader generate_assignment --no-db`: the notebooks only, no gradebook
+            self.config.SaveCells.enabled = False
+            self.config.GenerateAssignment.no_database = True
         self.log = log or logging.getLogger("autograde")
         self._api = None
 
@@ -75,7 +78,13 @@ class Course:
         if self._api is None:
             self.root.mkdir(parents=True, exist_ok=True)
             coursedir = CourseDirectory(config=self.config)
-            self._api = NbGraderAPI(coursedir, config=self.config)
+            traitlets_log = logging.getLogger("traitlets")
+            level = traitlets_log.level
+            traitlets_log.setLevel(logging.CRITICAL + 1)
+            try:  # quiet: it complains that no exchange folder exists (none is needed here)
+                self._api = NbGraderAPI(coursedir, config=self.config)
+            finally:
+                traitlets_log.setLevel(level)
             self._api.log.setLevel(logging.WARNING)
         return self._api
 
@@ -138,7 +147,7 @@ def generate(lessons: Path, solutions: Path, check: bool = False) -> list[str]:
     return the lines describing every lesson that is not what generation would make."""
     problems = []
     with tempfile.TemporaryDirectory(prefix="parakit-generate-") as scratch:
-        course = Course(root=Path(scratch), solutions=solutions)
+        course = Course(root=Path(scratch), solutions=solutions, database=False)
         for name, released in course.release().items():
             fresh = nbformat.read(released, as_version=4)
             for cell in fresh.cells:
