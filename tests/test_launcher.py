@@ -388,6 +388,31 @@ def test_rank_skipping_a_collective_raises_collective_hang_naming_the_waiting_ra
     assert_pool_works(4)
 
 
+def both_ranks_first(op):
+    """Both ranks send to (or receive from) each other first: a classic deadlock of
+    blocking point-to-point calls, as in a ring all-reduce that sends before it receives."""
+    peer = 1 - dist.get_rank()
+    if op == "send":
+        dist.send(torch.ones(1000), peer)
+        dist.recv(torch.empty(1000), peer)
+    else:
+        dist.recv(torch.empty(1000), peer)
+        dist.send(torch.ones(1000), peer)
+
+
+@pytest.mark.xfail(strict=True, reason="ranks that wait in the same op with the same sequence number are taken "
+                                       "for a slow collective, even for send/send or recv/recv, which can never "
+                                       "complete: only the call's timeout stops them")
+@pytest.mark.parametrize("op", ["send", "recv"])
+def test_ranks_that_all_block_in_send_or_all_in_recv_raise_collective_hang(op):
+    assert_pool_works(2)  # warm, so the time measured is the call's
+    start = time.monotonic()
+    with pytest.raises(CollectiveHang) as caught:
+        parakit.launch(both_ranks_first, op, world_size=2, timeout=5)
+    assert time.monotonic() - start < 4.0
+    assert f"rank 0 waits in {op} #1" in str(caught.value) and f"rank 1 waits in {op} #1" in str(caught.value)
+
+
 def test_busy_rank_past_the_timeout_raises_launch_timeout():
     assert_pool_works(2)  # warm, so the time measured is the call's
     start = time.monotonic()
