@@ -120,8 +120,6 @@ def rooted_calls_on_a_subgroup():
     return [(r.op, r.wire_bytes) for r in log.records]
 
 
-@pytest.mark.xfail(strict=True, reason="CommRecord.root keeps the global src/dst while CommRecord.rank is the "
-                                       "rank in the group, so ring_bytes compares ranks of different groups")
 def test_rooted_calls_on_a_subgroup_count_the_bytes_of_the_chain_from_the_root():
     # broadcast from group rank 2 runs the chain 2 -> 0 -> 1: group rank 1 (global 2) sends
     # nothing; reduce to group rank 2: the root sends nothing, the others send the tensor
@@ -147,9 +145,6 @@ def send_while_another_thread_receives():
     return sorted(r.op for r in log.records)
 
 
-@pytest.mark.xfail(strict=True, reason="comm._depth, which keeps nested calls from being recorded twice, is one "
-                                       "counter for the process: a call made while another thread waits in "
-                                       "a metered call is taken for a nested one and not recorded")
 def test_calls_from_two_threads_are_each_recorded():
     assert parakit.launch(send_while_another_thread_receives, world_size=2) == [["recv", "send"]] * 2
 

@@ -148,8 +148,6 @@ def test_explicit_gloo_backend_runs_on_the_auto_pool():
     assert parakit.launch(os.getpid, world_size=2, backend="gloo") == worker_pids(2)
 
 
-@pytest.mark.xfail(strict=True, reason="on a CPU build of torch the 'nccl' error only says the build has no "
-                                       "NCCL, not that NCCL needs one GPU per rank")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
 def test_nccl_backend_without_gpus_says_it_needs_one_gpu_per_rank():
     with pytest.raises(ValueError, match="one GPU per rank"):
@@ -279,9 +277,6 @@ def test_rank_exception_while_others_wait_in_all_reduce_names_where_they_wait():
     assert_pool_works(4)
 
 
-@pytest.mark.xfail(strict=True, reason="the failure report uses the ranks' status taken when the failure "
-                                       "arrived, so ranks that reach the all_reduce a moment later are "
-                                       "reported as 'runs code outside any collective'")
 def test_rank_exception_names_ranks_that_reach_the_all_reduce_just_after_it():
     assert_pool_works(4)  # warm: the ranks have imported this module, the call starts at once
     with pytest.raises(RankError) as caught:
@@ -319,8 +314,6 @@ def test_rank_that_dies_raises_rank_died_saying_how(how, said, capsys):
     assert_pool_works(2)
 
 
-@pytest.mark.xfail(strict=True, reason="a dead rank's 'last output' also holds lines it printed in earlier "
-                                       "calls: the tail is kept per worker, not per call")
 def test_dead_rank_last_output_holds_only_this_call_output(capsys):
     parakit.launch(print, "from an earlier call", world_size=2)
     with pytest.raises(RankDied) as caught:
@@ -400,9 +393,6 @@ def both_ranks_first(op):
         dist.send(torch.ones(1000), peer)
 
 
-@pytest.mark.xfail(strict=True, reason="ranks that wait in the same op with the same sequence number are taken "
-                                       "for a slow collective, even for send/send or recv/recv, which can never "
-                                       "complete: only the call's timeout stops them")
 @pytest.mark.parametrize("op", ["send", "recv"])
 def test_ranks_that_all_block_in_send_or_all_in_recv_raise_collective_hang(op):
     assert_pool_works(2)  # warm, so the time measured is the call's
