@@ -106,8 +106,8 @@ def _status(main_id) -> dict:
     return {
         "task": _state["task"],
         "calls": comm.TRACKER.seq,
-        "current": current[:2] if current else None,
-        "waiting": (time.monotonic() - current[2]) if current else 0.0,
+        "current": current[:3] if current else None,
+        "waiting": (time.monotonic() - current[3]) if current else 0.0,
         "last": comm.TRACKER.last,
         "stack": _user_stack(frame) if frame is not None else [],
     }

@@ -15,6 +15,7 @@ outer one. Collectives issued from C++ (the reducer of torch's DDP) are not seen
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -35,8 +36,8 @@ class CommRecord:
     nbytes: int
     group_size: int
     rank: int  # this rank's index in the group
-    peer: int | None  # the other rank of a send/recv, else None
-    root: int | None  # src/dst of a rooted collective, else None
+    peer: int | None  # the other rank (global) of a send/recv, else None
+    root: int | None  # src/dst of a rooted collective, as a rank in the group, else None
     seconds: float
 
     @property
@@ -75,21 +76,22 @@ def ring_bytes(op: str, nbytes: int, n: int, rank: int = 0, root: int | None = N
 
 
 class _Tracker:
-    """Where this rank is in its communication: how many calls it made since `reset`, and
-    the call it is inside now (op, sequence number, start time), or None."""
+    """Where this rank is in its communication: how many calls it made since `reset`, the
+    call it is inside now (op, sequence number, peer of a send/recv or None, start time)
+    or None, and the last call it finished (op, sequence number, peer)."""
 
     def __init__(self):
         self.reset()
 
     def reset(self):
         self.seq = 0
-        self.current: tuple[str, int, float] | None = None
-        self.last: tuple[str, int] | None = None
+        self.current: tuple[str, int, int | None, float] | None = None
+        self.last: tuple[str, int, int | None] | None = None
 
 
 TRACKER = _Tracker()
 _OPEN_LOGS: list["CommLog"] = []
-_depth = 0
+_thread = threading.local()  # .depth: 1 while this thread is inside a metered call
 
 # op name -> (tensor arguments whose bytes count, name of the peer argument, name of the root argument)
 _OPS = {
@@ -129,23 +131,24 @@ def _wrap(name: str, fn):
     signature = inspect.signature(fn)
 
     def metered(*args, **kwargs):
-        global _depth
-        if _depth:  # called from inside another metered call: that one is recorded
+        if getattr(_thread, "depth", 0):  # called from inside another metered call: that one is recorded
             return fn(*args, **kwargs)
+        bound = signature.bind_partial(*args, **kwargs).arguments if peer_arg or _OPEN_LOGS else {}
+        peer = _rank_argument(bound, peer_arg, global_rank=True) if peer_arg else None
         TRACKER.seq += 1
-        TRACKER.current = (name, TRACKER.seq, time.monotonic())
-        _depth += 1
+        current = TRACKER.current = (name, TRACKER.seq, peer, time.monotonic())
+        _thread.depth = 1
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             seconds = time.perf_counter() - start
-            _depth -= 1
-            TRACKER.last, TRACKER.current = TRACKER.current[:2], None
+            _thread.depth = 0
+            TRACKER.last, TRACKER.current = current[:3], None
             if _OPEN_LOGS:
-                bound = signature.bind_partial(*args, **kwargs).arguments
-                record = _record(name, bound, tensor_args, peer_arg, root_arg, seconds)
-                for log in _OPEN_LOGS:
+                bound = bound or signature.bind_partial(*args, **kwargs).arguments
+                record = _record(name, bound, tensor_args, peer, root_arg, seconds)
+                for log in list(_OPEN_LOGS):
                     log.records.append(record)
 
     metered.__wrapped__ = fn
@@ -157,7 +160,19 @@ def _wrap(name: str, fn):
     return metered
 
 
-def _record(name, bound, tensor_args, peer_arg, root_arg, seconds) -> CommRecord:
+def _rank_argument(bound, name, global_rank: bool) -> int | None:
+    """The rank named by argument `name` ("src", "dst") or by its "group_" form, as a
+    global rank or as a rank in the call's group."""
+    group = bound.get("group")
+    value, group_value = bound.get(name), bound.get(f"group_{name}")
+    if group is None or not dist.is_initialized():
+        return value if value is not None else group_value
+    if global_rank:
+        return value if value is not None or group_value is None else dist.get_global_rank(group, group_value)
+    return group_value if value is None else dist.get_group_rank(group, value)
+
+
+def _record(name, bound, tensor_args, peer, root_arg, seconds) -> CommRecord:
     group = bound.get("group")
     in_group = dist.is_initialized()
     return CommRecord(
@@ -165,8 +180,8 @@ def _record(name, bound, tensor_args, peer_arg, root_arg, seconds) -> CommRecord
         nbytes=sum(_nbytes(bound.get(a)) for a in tensor_args),
         group_size=dist.get_world_size(group) if in_group else 1,
         rank=dist.get_rank(group) if in_group else 0,
-        peer=bound.get(peer_arg) if peer_arg else None,
-        root=bound.get(root_arg) if root_arg else None,
+        peer=peer,
+        root=_rank_argument(bound, root_arg, global_rank=False) if root_arg else None,
         seconds=seconds,
     )
 

@@ -95,7 +95,8 @@ def resolve_backend(backend: str, world_size: int) -> str:
         return "gloo"
     if choice == "nccl":
         if not dist.is_nccl_available():
-            raise ValueError("backend 'nccl': this build of torch has no NCCL; use backend='gloo' or 'auto'")
+            raise ValueError("backend 'nccl' needs one GPU per rank and a CUDA build of torch, but this build of "
+                             "torch has no NCCL; use backend='gloo' (or 'auto', which picks gloo here)")
         if gpus < world_size:
             raise ValueError(f"backend 'nccl' needs one GPU per rank: world_size={world_size} but {gpus} GPU(s) "
                              f"are visible; use backend='gloo' (or 'auto', which picks gloo here)")
@@ -292,6 +293,7 @@ class _Pool:
         message = pickle.dumps(("run", call.task_id, (os.getcwd(), list(sys.path), self._new_sources(), blob)))
         try:
             for r in self.ranks:
+                r.tail.clear()  # a death report shows this call's output only
                 r.conn.send_bytes(message)
             return call.collect()
         except LaunchError:
@@ -362,6 +364,15 @@ class _Call:
         self.pool.flush_output()
         return self._result()
 
+    def _refresh_status(self) -> None:
+        """Ask the unfinished ranks where they are and wait up to 1 s for their answers."""
+        self._ask()
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and any(
+                self.status.get(r, {}).get("received", 0) < self.last_ask for r in self.unfinished()):
+            for rank, kind, payload in self.pool._events(0.05):
+                self._record(rank, kind, payload)
+
     def _ask(self) -> None:
         self.last_ask = time.monotonic()
         self.pool.ask_status(self.unfinished())
@@ -384,22 +395,21 @@ class _Call:
             self._ask()  # so the report can say where the others wait
 
     def _hung(self) -> bool:
-        """Every unfinished rank has waited HANG_GRACE s in a collective (by fresh reports),
-        and either some rank already returned or they wait in different calls."""
+        """Every unfinished rank has waited HANG_GRACE s in a communication call (by fresh
+        reports), and none of them can complete: some rank already returned, they wait in
+        different collectives, or a send/recv waits for a rank that is not its counterpart."""
         waiting = self.unfinished()
-        fresh = [self.status.get(r) for r in waiting]
+        fresh = {r: self.status.get(r) for r in waiting}
         if not waiting or any(s is None or s["current"] is None or s["received"] < self.last_ask
-                              or s["waiting"] < HANG_GRACE for s in fresh):
+                              or s["waiting"] < HANG_GRACE for s in fresh.values()):
             return False
-        return bool(self.replies) or len({tuple(s["current"]) for s in fresh}) > 1
+        current = {r: s["current"] for r, s in fresh.items()}  # rank -> (op, seq, peer)
+        if self.replies or any(peer is not None for _, _, peer in current.values()):
+            return bool(self.replies) or not _p2p_matched(current)
+        return len({(op, seq) for op, seq, _ in current.values()}) > 1
 
     def _hang_error(self, kind, headline) -> LaunchError:
-        self._ask()
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline and any(
-                self.status.get(r, {}).get("received", 0) < self.last_ask for r in self.unfinished()):
-            for rank, k, payload in self.pool._events(0.05):
-                self._record(rank, k, payload)
+        self._refresh_status()
         lines = [f"{headline} (after {time.monotonic() - self.start:.1f} s):"]
         lines += [self._describe(rank) for rank in range(self.pool.world_size)]
         lines.append("Every rank must make the same collective calls in the same order. "
@@ -420,8 +430,9 @@ class _Call:
         where = "\n".join(f"      {line}" for line in status["stack"][-3:])
         if status["current"] is None:
             return f"  rank {rank} runs code outside any collective, after {status['calls']} call(s)\n{where}"
-        op, seq = status["current"]
-        return f"  rank {rank} waits in {op} #{seq} for {status['waiting']:.1f} s, at\n{where}"
+        op, seq, peer = status["current"]
+        towards = "" if peer is None else f" ({'to' if 'send' in op else 'from'} rank {peer})"
+        return f"  rank {rank} waits in {op} #{seq}{towards} for {status['waiting']:.1f} s, at\n{where}"
 
     def _result(self) -> list:
         if not self.deaths and all(kind == "ok" for kind, _, _ in self.replies.values()):
@@ -445,10 +456,23 @@ class _Call:
             if self.deaths:  # most likely "connection reset by peer": say it in one line
                 text = text.splitlines()[-1] + "  (after another rank died)"
             lines.append(f"--- rank {rank}:\n{text}")
+        if self.unfinished():
+            self._refresh_status()  # answers taken when the failure came may be a moment old
         others = [self._describe(r) for r in self.unfinished()]
         if others:
             lines += ["while the other ranks waited:"] + others
         return (RankDied if self.deaths else RankError)("\n".join(lines), failures)
+
+
+def _p2p_matched(current: dict[int, tuple]) -> bool:
+    """True if every rank waits in a send or recv whose counterpart waits on the other side."""
+    sides = {("send", "isend"): ("recv", "irecv"), ("recv", "irecv"): ("send", "isend")}
+    for rank, (op, _, peer) in current.items():
+        other = current.get(peer)
+        mine = next((k for k in sides if op in k), None)
+        if mine is None or other is None or other[0] not in sides[mine] or other[2] != rank:
+            return False
+    return True
 
 
 def _how_it_died(exitcode) -> str:
