@@ -46,15 +46,37 @@ def toy_panel(lesson: Path, solution: Path) -> list[panel.Student]:
 
 
 def lesson_00_panel(lesson: Path, solution: Path) -> list[panel.Student]:
-    """The lead fills this in: hard-coded answers and a student who calls the reference."""
-    raise NotImplementedError("lesson 00's panel")
+    """Lesson 00: hard-coded byte counts, students who call the reference or dist.all_reduce,
+    and a rank that hangs or dies inside the ring (caught by parakit.grading's launch timeout)."""
+    full = panel.full_solution(panel.load(lesson), panel.load(solution))
+    name, pts = lesson.name, panel.points(panel.load(lesson))
+
+    def student(who, sources, **zero):
+        return panel.Student(who, {name: panel.with_sources(full, sources)}, {**pts, **zero})
+
+    ring = "def ring_all_reduce(tensor):\n"
+    return panel.standard_panel(
+        lesson, solution, hang_in="ring_bytes_per_rank",
+        hardcoded={"ring_bytes_per_rank": "def ring_bytes_per_rank(nbytes, world_size):\n"
+                   "    return {(1024, 2): 1024.0, (4096, 4): 6144.0, (2**20, 8): 1835008.0}[(nbytes, world_size)]\n"},
+        hardcoded_expected={"test_ring_bytes_per_rank": 0.0},
+        extra=[
+            student("calls_reference", {"ring_all_reduce": ring + "    return comm.ring_all_reduce(tensor)\n"},
+                    test_ring_all_reduce=0.0),
+            student("uses_all_reduce", {"all_reduce_two_phase": "def all_reduce_two_phase(tensor):\n"
+                                        "    dist.all_reduce(tensor)\n    return tensor\n"},
+                    test_all_reduce_two_phase=0.0),
+            student("rank_hangs", {"ring_all_reduce": ring + "    import time\n    if dist.get_rank() == 1:\n"
+                                   "        time.sleep(10**6)\n    return tensor\n"}, test_ring_all_reduce=0.0),
+            student("rank_dies", {"ring_all_reduce": ring + "    import os\n    if dist.get_rank() == 1:\n"
+                                  "        os._exit(1)\n    return tensor\n"}, test_ring_all_reduce=0.0),
+        ])
 
 
 LESSONS = [
     pytest.param(Lesson(FIXTURES / "toy.ipynb", toy_panel, timeout=5), id="toy"),
-    # Lesson 00 (enable once lesson_00_panel is written; each student runs the whole lesson):
-    # pytest.param(Lesson(REPO / "solutions" / "00_collectives.ipynb", lesson_00_panel, timeout=120),
-    #              id="00_collectives", marks=pytest.mark.slow),
+    pytest.param(Lesson(REPO / "solutions" / "00_collectives.ipynb", lesson_00_panel, timeout=90),
+                 id="00_collectives", marks=pytest.mark.slow),
 ]
 
 
@@ -133,6 +155,38 @@ def graded(built, tmp_path_factory) -> Graded:
 
 def expected_scores(built: Built, student: panel.Student) -> dict[str, float]:
     return {test: student.expected.get(test, 0.0) for test in panel.points(panel.load(built.released))}
+
+
+# ---------------------------------------------------------------------------- execute
+
+def execute(tmp_path, sources: list[str], **traits) -> list[str | None]:
+    """Run code cells with the autograder's executor; return each cell's error name (or None)."""
+    from autograde.execute import ResilientExecute
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources],
+                                  metadata={"kernelspec": {"name": "python3", "language": "python",
+                                                           "display_name": "Python 3"}})
+    ResilientExecute(timeout=5, interrupt_grace=2, **traits).preprocess(nb, {"metadata": {"path": str(tmp_path)}})
+    errors = [[o.ename for o in c.outputs if o.output_type == "error"] for c in nb.cells]
+    return [e[-1] if e else None for e in errors], nb
+
+
+def test_a_dead_kernel_fails_only_its_cell_and_the_cells_before_are_replayed(tmp_path):
+    errors, nb = execute(tmp_path, ["x = 41", "import os\nos._exit(1)", "print(x + 1)"])
+    assert errors == [None, "DeadKernelError", None]
+    assert nb.cells[2].outputs[0].text == "42\n"
+
+
+def test_a_kernel_that_ignores_the_interrupt_is_restarted(tmp_path):
+    stubborn = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    time.sleep(0.1)"
+    errors, nb = execute(tmp_path, ["x = 1", stubborn, "print(x)"])
+    assert errors == [None, "UnresponsiveKernel", None]
+    assert nb.cells[2].outputs[0].text == "1\n"
+
+
+def test_after_max_restarts_the_cells_left_are_marked_not_run(tmp_path):
+    crash = "import os\nos._exit(1)"
+    errors, _ = execute(tmp_path, [crash, crash, "print(1)", "print(2)"], max_restarts=1)
+    assert errors == ["DeadKernelError", "DeadKernelError", "KernelRestartLimit", "KernelRestartLimit"]
 
 
 # ---------------------------------------------------------------------------- generate
