@@ -61,11 +61,12 @@ def main(rank, world_size, backend, store_port, conn, out_w, err_w, timeout_s):
         sys.stdout.flush()
         sys.stderr.flush()
         _state["task"] = None
-        _send(conn, ("done", task_id) + reply)
+        _send(conn, ("done", task_id) + reply + (comm.TRACKER.last,))
 
 
 def _run(rank, payload):
-    """Run one task; returns ("ok", result bytes, comm calls) or ("error", text, comm calls)."""
+    """Run one task; returns ("ok", result bytes, comm calls) or ("error", text, comm calls)
+    (the caller also gets the last communication call: op, sequence number, peer)."""
     comm.TRACKER.reset()
     try:
         cwd, path, sources, blob = payload

@@ -339,7 +339,7 @@ class _Call:
     def __init__(self, pool: _Pool, timeout: float):
         self.pool, self.timeout, self.task_id = pool, timeout, next(self._ids)
         self.start = time.monotonic()
-        self.replies: dict[int, tuple] = {}  # rank -> (kind, payload, calls)
+        self.replies: dict[int, tuple] = {}  # rank -> (kind, payload, calls, last call)
         self.deaths: dict[int, int | None] = {}  # rank -> exit code
         self.status: dict[int, dict] = {}  # rank -> latest answer to "where are you?"
         self.failed_at: float | None = None
@@ -404,16 +404,23 @@ class _Call:
                               or s["waiting"] < HANG_GRACE for s in fresh.values()):
             return False
         current = {r: s["current"] for r, s in fresh.items()}  # rank -> (op, seq, peer)
-        if self.replies or any(peer is not None for _, _, peer in current.values()):
-            return bool(self.replies) or not _p2p_matched(current)
+        if self.replies:  # only a recv whose sender returned right after sending may still finish
+            return not all(self._receiving_from_returned(rank, op, peer) for rank, (op, _, peer) in current.items())
+        if any(peer is not None for _, _, peer in current.values()):
+            return not _p2p_matched(current)
         return len({(op, seq) for op, seq, _ in current.values()}) > 1
+
+    def _receiving_from_returned(self, rank, op, peer) -> bool:
+        last = self.replies[peer][3] if peer in self.replies else None
+        return op in ("recv", "irecv") and last is not None and last[0] in ("send", "isend") and last[2] == rank
 
     def _hang_error(self, kind, headline) -> LaunchError:
         self._refresh_status()
         lines = [f"{headline} (after {time.monotonic() - self.start:.1f} s):"]
         lines += [self._describe(rank) for rank in range(self.pool.world_size)]
-        lines.append("Every rank must make the same collective calls in the same order. "
-                     "The ranks were stopped; the next call starts them again.")
+        if kind is CollectiveHang:
+            lines.append("Every rank must make the same collective calls in the same order.")
+        lines.append("The ranks were stopped; the next call starts them again.")
         self.pool.stop()
         return kind("\n".join(lines), {r: self._describe(r) for r in self.unfinished()})
 
@@ -421,7 +428,7 @@ class _Call:
         if rank in self.deaths:
             return f"  rank {rank} died: {_how_it_died(self.deaths[rank])}"
         if rank in self.replies:
-            kind, _, calls = self.replies[rank]
+            kind, _, calls, _ = self.replies[rank]
             verb = "returned" if kind == "ok" else "raised"
             return f"  rank {rank} {verb} after {calls} communication call(s)"
         status = self.status.get(rank)
@@ -435,7 +442,7 @@ class _Call:
         return f"  rank {rank} waits in {op} #{seq}{towards} for {status['waiting']:.1f} s, at\n{where}"
 
     def _result(self) -> list:
-        if not self.deaths and all(kind == "ok" for kind, _, _ in self.replies.values()):
+        if not self.deaths and all(reply[0] == "ok" for reply in self.replies.values()):
             return [cloudpickle.loads(self.replies[r][1]) for r in range(self.pool.world_size)]
         error = self._failure_error()
         calls = {reply[2] for reply in self.replies.values()}
@@ -446,8 +453,10 @@ class _Call:
     def _failure_error(self) -> LaunchError:
         """Deaths first, then tracebacks; errors that only echo a death get one line."""
         failures = {r: _how_it_died(code) for r, code in self.deaths.items()}
-        failures.update({r: text for r, (kind, text, _) in self.replies.items() if kind != "ok"})
-        lines = [f"rank{'s' if len(failures) > 1 else ''} {', '.join(map(str, sorted(failures)))} failed:"]
+        failures.update({r: reply[1] for r, reply in self.replies.items() if reply[0] != "ok"})
+        culprits = sorted(self.deaths) or sorted(failures)
+        verb = "died" if self.deaths else "failed"
+        lines = [f"rank{'s' if len(culprits) > 1 else ''} {', '.join(map(str, culprits))} {verb}:"]
         for rank in sorted(self.deaths):
             tail = "\n".join(self.pool.ranks[rank].tail if self.pool.ranks else [])
             lines.append(f"--- rank {rank} died: {failures[rank]}" + (f"; its last output:\n{tail}" if tail else ""))
