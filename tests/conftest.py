@@ -11,6 +11,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The notebook kernels nbval starts inherit this: no frontend there, so widgets draw figures.
+os.environ.setdefault("PARAKIT_STATIC", "1")
+os.environ.setdefault("MPLBACKEND", "Agg")
+
 
 def pid_alive(pid: int) -> bool:
     """True while `pid` is a live process; a zombie (exited, not yet reaped) counts as gone."""
