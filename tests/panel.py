@@ -17,11 +17,14 @@ it expects; `standard_panel` adds the students every lesson is graded against:
 from __future__ import annotations
 
 import copy
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import nbformat
 
+PANELS = Path(__file__).parent / "lesson_panels"
 HANG = "import time\ntime.sleep(10**6)  # this answer never returns\n"
 CRASH = "import os\nos._exit(1)  # this answer takes the kernel down\n"
 EDITED_TEST = "pass  # the student replaced the test\n"
@@ -160,3 +163,20 @@ def standard_panel(lesson_path, solution_path, *, hardcoded: dict[str, str],
                 report=["does not match any assignment (did you mean " + name]),
         *extra,
     ]
+
+
+@dataclass
+class Lesson:
+    solution: Path                                  # the instructor notebook
+    panel: Callable[[Path, Path], list[Student]]   # (lesson, solution) -> students
+    timeout: int                                    # seconds per cell while grading the panel
+
+    @property
+    def name(self) -> str:
+        return self.solution.stem
+
+
+def course_lessons() -> list[Lesson]:
+    """Every lesson's panel: tests/lesson_panels/NN_name.py each defines LESSON."""
+    modules = sorted(p.stem for p in PANELS.glob("[0-9][0-9]_*.py"))
+    return [importlib.import_module(f"lesson_panels.{m}").LESSON for m in modules]

@@ -15,7 +15,6 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import nbformat
 import pytest
@@ -30,57 +29,15 @@ from autograde import course  # noqa: E402  (after PATH: nbgrader calls `alembic
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-@dataclass
-class Lesson:
-    solution: Path                                  # the instructor notebook
-    panel: Callable[[Path, Path], list[panel.Student]]   # (lesson, solution) -> students
-    timeout: int                                    # seconds per cell while grading the panel
-
-    @property
-    def name(self) -> str:
-        return self.solution.stem
-
-
 def toy_panel(lesson: Path, solution: Path) -> list[panel.Student]:
     hardcoded = 'def add(a, b):\n    return {(1, 2): 3, (-1, 1): 0, (0, 0): 0}[(a, b)]  # the visible cases only\n'
     return panel.standard_panel(lesson, solution, hardcoded={"add": hardcoded},
                                 hardcoded_expected={"test_add_hidden": 0.0})
 
 
-def lesson_00_panel(lesson: Path, solution: Path) -> list[panel.Student]:
-    """Lesson 00. The cheater hard-codes the byte counts, calls parakit's ring and uses
-    dist.all_reduce in the two-phase exercise (each 0); the kernel hangs in the bytes
-    exercise and dies in the two-phase one; in `rank_fails` a rank dies inside the ring and
-    the two-phase all-reduce deadlocks (a rank receives what nobody sends), each found by
-    parakit's launcher within seconds, and the bytes exercise is still graded."""
-    full = panel.full_solution(panel.load(lesson), panel.load(solution))
-    name, pts = lesson.name, panel.points(panel.load(lesson))
-    cheats = {
-        "ring_bytes_per_rank": "def ring_bytes_per_rank(nbytes, world_size):\n"
-                               "    return {(1024, 2): 1024.0, (4096, 4): 6144.0, (2**20, 8): 1835008.0}[(nbytes, world_size)]\n",
-        "ring_all_reduce": "def ring_all_reduce(tensor):\n    return comm.ring_all_reduce(tensor)\n",
-        "all_reduce_two_phase": "def all_reduce_two_phase(tensor):\n    dist.all_reduce(tensor)\n    return tensor\n",
-    }
-    rank_fails = {
-        "ring_all_reduce": "def ring_all_reduce(tensor):\n    import os\n    if dist.get_rank() == 1:\n"
-                           "        os._exit(1)\n    return tensor\n",
-        "all_reduce_two_phase": "def all_reduce_two_phase(tensor):\n    if dist.get_rank() == 1:\n"
-                                "        dist.recv(tensor, 0)\n    return tensor\n",
-    }
-    return panel.standard_panel(
-        lesson, solution, hang_in="ring_bytes_per_rank", crash_in="all_reduce_two_phase",
-        hardcoded=cheats, hardcoded_expected=dict.fromkeys(pts, 0.0),
-        extra=[panel.Student("rank_fails", {name: panel.with_sources(full, rank_fails)},
-                             {**pts, "test_ring_all_reduce": 0.0, "test_all_reduce_two_phase": 0.0})])
-
-
-TOY = pytest.param(Lesson(FIXTURES / "toy.ipynb", toy_panel, timeout=5), id="toy")
+TOY = pytest.param(panel.Lesson(FIXTURES / "toy.ipynb", toy_panel, timeout=5), id="toy")
 ON_TOY_ONLY = pytest.mark.parametrize("built", [TOY], indirect=True)  # tests of the machinery itself
-LESSONS = [
-    TOY,
-    pytest.param(Lesson(REPO / "solutions" / "00_collectives.ipynb", lesson_00_panel, timeout=40),
-                 id="00_collectives"),
-]
+LESSONS = [TOY] + [pytest.param(lesson, id=lesson.name) for lesson in panel.course_lessons()]
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""One module per lesson: its panel of fake students for tests/test_pipeline.py."""
