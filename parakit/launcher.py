@@ -183,6 +183,7 @@ class _Rank:
         self.rank, self.process, self.conn = rank, process, conn
         self.streams = {out: ("stdout", bytearray()), err: ("stderr", bytearray())}
         self.tail: deque[str] = deque(maxlen=20)  # last lines printed, for death reports
+        self.dead = False  # its death was reported (its sentinel stays ready from then on)
 
     def pump(self, reader) -> None:
         """Print what `reader` holds now, each complete line prefixed by the rank."""
@@ -267,7 +268,8 @@ class _Pool:
         handles = {}
         for r in self.ranks:
             handles[r.conn] = (r, "conn")
-            handles[r.process.sentinel] = (r, "sentinel")
+            if not r.dead:
+                handles[r.process.sentinel] = (r, "sentinel")
             for reader in r.streams:
                 handles[reader] = (r, "output")
         for ready in mpc.wait(list(handles), timeout):
@@ -282,6 +284,7 @@ class _Pool:
             else:
                 r.process.join(1.0)
                 r.flush()
+                r.dead = True
                 yield r.rank, "died", r.process.exitcode
 
     def flush_output(self) -> None:
