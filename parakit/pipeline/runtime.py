@@ -1,0 +1,173 @@
+"""Executing a schedule on real ranks: the runtime only runs the actions it is given.
+
+    loss = pipeline_step(model, [2, 2], batch, target, F.mse_loss, schedule="1f1b", num_microbatches=4)
+
+Every rank of the pipeline group calls it with the whole model, batch and target; rank r
+runs stages r, r + p, ... on micro-batches cut from the batch, activations and their
+gradients travel by point-to-point send/recv, the loss is taken on the last stage, scaled
+by 1/m, so that each stage's gradients equal those of one process on the whole batch.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parakit.launcher import device
+from parakit.pipeline.schedules import Action, Schedule, build_schedule
+from parakit.pipeline.simulate import Event, check_schedule
+from parakit.pipeline.split import split_stages
+
+__all__ = ["pipeline_step", "dp_pp_step", "run_schedule", "split_microbatches", "activation_shapes", "RankRun"]
+
+
+@dataclass
+class RankRun:
+    """What one rank did in one step: its events (perf_counter seconds, comparable between
+    processes on one machine), its peak count of stored activations, and the loss (the
+    sum of the scaled micro-batch losses) on the rank holding the last stage, else None."""
+
+    events: list[Event]
+    peak_activations: int
+    loss: torch.Tensor | None
+
+
+def split_microbatches(batch: torch.Tensor, m: int) -> list[torch.Tensor]:
+    """Cut `batch` along dim 0 into m equal micro-batches (views)."""
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(f"num_microbatches must be a positive int, got {m!r}")
+    if len(batch) % m:
+        raise ValueError(f"a batch of {len(batch)} samples does not split into {m} equal micro-batches: "
+                         f"choose num_microbatches dividing {len(batch)}, or a batch size that is a multiple of {m}")
+    return list(batch.chunk(m))  # m x [batch/m, ...]
+
+
+def activation_shapes(stages: list[nn.Module], microbatch: torch.Tensor) -> list[tuple[torch.Size, torch.dtype]]:
+    """Shape and dtype of each stage's input (and, last, of the model's output) for one
+    micro-batch, found on the meta device without computing anything."""
+    x = torch.empty_like(microbatch, device="meta")
+    shapes = [(x.shape, x.dtype)]
+    with torch.no_grad():
+        for stage in stages:
+            params = {k: torch.empty_like(t, device="meta") for k, t in [*stage.named_parameters(), *stage.named_buffers()]}
+            x = torch.func.functional_call(stage, params, (x,))
+            shapes.append((x.shape, x.dtype))
+    return shapes
+
+
+class _Runner:
+    """One rank's state while it runs its actions."""
+
+    def __init__(self, schedule, stages, microbatches, targets, loss_fn, shapes, group):
+        self.schedule, self.stages, self.shapes, self.group = schedule, stages, shapes, group
+        self.microbatches, self.targets, self.loss_fn = microbatches, targets, loss_fn
+        self.rank = dist.get_rank(group) if schedule.num_ranks > 1 else 0
+        self.inbox: dict[tuple[str, int, int], torch.Tensor] = {}  # inputs of F and B, by (op, stage, i)
+        self.outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # results another rank needs
+        self.stored: dict[tuple[int, int], tuple] = {}  # (stage, i) -> (input, output) kept for backward
+        self.sends, self.loss, self.peak = [], None, 0
+
+    def F(self, a: Action) -> None:
+        last = a.stage == self.schedule.num_stages - 1
+        x = self.microbatches[a.microbatch] if a.stage == 0 else self.inbox.pop(("F", a.stage, a.microbatch))
+        y = self.stages[a.stage](x)
+        if last:
+            y = self.loss_fn(y, self.targets[a.microbatch]) / self.schedule.num_microbatches
+            self.loss = y.detach() if self.loss is None else self.loss + y.detach()
+        self.stored[(a.stage, a.microbatch)] = (x, y)
+        self.peak = max(self.peak, len(self.stored))
+        if not last:
+            self._hand_on("F", a.stage + 1, a.microbatch, y.detach())
+
+    def B(self, a: Action) -> None:
+        x, y = self.stored.pop((a.stage, a.microbatch))
+        grad = None if a.stage == self.schedule.num_stages - 1 else self.inbox.pop(("B", a.stage, a.microbatch))
+        torch.autograd.backward(y, grad)
+        if a.stage > 0:
+            self._hand_on("B", a.stage - 1, a.microbatch, x.grad)
+
+    def _hand_on(self, op: str, stage: int, i: int, tensor: torch.Tensor) -> None:
+        """Keep a result for `stage`: in this rank's inbox if it runs there, else to send."""
+        if self.schedule.rank_of(stage) == self.rank:
+            self.inbox[(op, stage, i)] = tensor.requires_grad_() if op == "F" else tensor
+        else:
+            self.outbox[(op, stage, i)] = tensor.contiguous()
+
+    def SEND(self, a: Action) -> None:
+        """isend one activation (F) or gradient (B) of one micro-batch to rank a.peer of the group."""
+        op, to = a.op[5:], a.stage + (1 if a.op == "SEND_F" else -1)
+        tensor = self.outbox.pop((op, to, a.microbatch))
+        self.sends.append((dist.isend(tensor, group=self.group, group_dst=a.peer), tensor))
+
+    def RECV(self, a: Action) -> None:
+        """recv one activation (F) or gradient (B) of one micro-batch from rank a.peer of the group."""
+        shape, dtype = self.shapes[a.stage if a.op == "RECV_F" else a.stage + 1]
+        buffer = torch.empty(shape, dtype=dtype, device=device())
+        dist.recv(buffer, group=self.group, group_src=a.peer)
+        self.inbox[(a.op[5:], a.stage, a.microbatch)] = buffer.requires_grad_() if a.op == "RECV_F" else buffer
+
+
+def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], microbatches, targets, loss_fn,
+                 shapes, group=None) -> RankRun:
+    """Run this rank's actions of `schedule`; `stages` maps the stage indices of this rank
+    to their modules, `shapes` is `activation_shapes` of the whole model. Each send or
+    receive moves one micro-batch's activation (or gradient) between two ranks of `group`:
+    prod(shape) x dtype bytes. Gradients accumulate in the stages' parameters."""
+    runner = _Runner(schedule, stages, microbatches, targets, loss_fn, shapes, group)
+    timed = device().type == "cuda"
+    events = []
+    for a in schedule.actions[runner.rank]:
+        start = time.perf_counter()
+        getattr(runner, a.op[:4] if a.op[0] in "SR" else a.op)(a)
+        if timed:
+            torch.cuda.synchronize()
+        events.append(Event(runner.rank, a, start, time.perf_counter()))
+    for work, _ in runner.sends:
+        work.wait()
+    return RankRun(events, runner.peak, runner.loss)
+
+
+def pipeline_step(model, balance, batch, target, loss_fn, schedule: str = "1f1b", num_microbatches: int | None = None,
+                  group=None):
+    """One training step of `model` cut into stages by `balance`, on the ranks of `group`
+    (default: the world); call it on every rank of the group with the same arguments.
+
+    `len(balance)` stages go to p ranks: one each for "gpipe" and "1f1b", v = len(balance)/p
+    each for "interleaved". `num_microbatches` defaults to p. `loss_fn(output, target)` must
+    average over its micro-batch. Returns the loss on the rank holding the last stage
+    (None on the others) and leaves the gradients in each rank's stages, i.e. in `model`.
+    Sends p2p as in `run_schedule`.
+    """
+    p = dist.get_world_size(group) if dist.is_initialized() else 1
+    stages = split_stages(model, balance)
+    if len(stages) % p or (schedule != "interleaved" and len(stages) != p):
+        raise ValueError(f"balance {list(balance)} makes {len(stages)} stages for {p} ranks: schedule {schedule!r} "
+                         f"needs {'a multiple of ' if schedule == 'interleaved' else ''}{p} stages, one per rank"
+                         f"{' or v per rank' if schedule == 'interleaved' else ''}; change balance or the group size")
+    m = p if num_microbatches is None else num_microbatches
+    plan = check_schedule(build_schedule(schedule, p, m, len(stages) // p))
+    microbatches, targets = split_microbatches(batch, m), split_microbatches(target, m)
+    rank = dist.get_rank(group) if p > 1 else 0
+    mine = {s: stages[s] for s in range(rank, len(stages), p)}
+    run = run_schedule(plan, mine, microbatches, targets, loss_fn, activation_shapes(stages, microbatches[0]), group)
+    return run.loss
+
+
+def dp_pp_step(model, balance, batch, target, loss_fn, *, pp_group, dp_group, schedule: str = "1f1b",
+               num_microbatches: int | None = None):
+    """DP x PP: `pipeline_step` of this replica's `batch` on `pp_group`, then one all-reduce
+    over `dp_group` of this rank's stage gradients (flattened into one buffer: 4 bytes per
+    parameter of its stages, in fp32), averaged: once per step, after the last micro-batch.
+    Every replica gets the same share of the global batch; returns this pipeline's loss."""
+    loss = pipeline_step(model, balance, batch, target, loss_fn, schedule, num_microbatches, pp_group)
+    p, rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+    grads = [q.grad for stage in split_stages(model, balance)[rank::p] for q in stage.parameters() if q.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])  # [parameters of this rank's stages]
+    dist.all_reduce(flat, group=dp_group)
+    flat /= dist.get_world_size(dp_group)
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(piece.view_as(g))
+    return loss

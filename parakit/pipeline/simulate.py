@@ -1,0 +1,166 @@
+"""Running a schedule on paper: the time line each rank would follow given how long each
+action takes, its idle fraction (the bubble) and its peak count of stored activations.
+
+The same loop is the deadlock check: a receive waits until its peer has sent, and only
+the message that peer sent first and nobody has received yet can match it (the order in
+which NCCL pairs point-to-point calls). If no rank can move, the schedule deadlocks.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable, Mapping, NamedTuple
+
+from parakit.pipeline.schedules import Action, Schedule
+
+__all__ = ["Event", "Timeline", "simulate", "check_schedule", "format_grid", "bubble_formula", "ScheduleError"]
+
+
+class ScheduleError(ValueError):
+    """The schedule deadlocks, computes before its input arrives, or misses an action."""
+
+
+class Event(NamedTuple):
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    """Events of every rank (compute and communication); `peak_activations[r]` is the
+    most micro-batch activations rank r held at once (forwards not yet backwarded)."""
+
+    num_ranks: int
+    events: list[Event]
+    peak_activations: list[int]
+
+    @property
+    def makespan(self):
+        return max(e.end for e in self.events) - min(e.start for e in self.events)
+
+    def busy(self, rank: int):
+        """Time rank `rank` spends computing (F and B); sends and waits count as idle."""
+        return sum(e.end - e.start for e in self.events if e.rank == rank and e.action.op in ("F", "B"))
+
+    def idle_fraction(self, rank: int):
+        return 1 - self.busy(rank) / self.makespan
+
+    @property
+    def bubble(self):
+        """The mean idle fraction over the ranks."""
+        return sum(self.idle_fraction(r) for r in range(self.num_ranks)) / self.num_ranks
+
+    def mean_time(self, op: str) -> float:
+        times = [e.end - e.start for e in self.events if e.action.op == op]
+        return sum(times) / len(times)
+
+
+def simulate(schedule: Schedule, times: Mapping[str, object] | Callable[[Action], object] | None = None) -> Timeline:
+    """Run `schedule` on paper. `times` maps an op ("F", "B", "SEND_F", ...) to its
+    duration (default F = B = 1, communication 0; use ints or Fractions for exact results),
+    or is a function of the action. Raises ScheduleError if the schedule cannot run."""
+    duration = times if callable(times) else (lambda a, t={"F": 1, "B": 1, **(times or {})}: t.get(a.op, 0))
+    p, S = schedule.num_ranks, schedule.num_stages
+    position, clock = [0] * p, [Fraction(0)] * p
+    channels: dict[tuple[int, int], deque] = {}  # (src, dst) -> (message, time sent)
+    ready = [set() for _ in range(p)]  # inputs at hand: ("F", stage, i) activations, ("B", stage, i) gradients
+    stored, peak, events = [0] * p, [0] * p, []
+    while True:
+        moved = False
+        for r in range(p):
+            while position[r] < len(schedule.actions[r]):
+                a = schedule.actions[r][position[r]]
+                start = _start_time(schedule, r, a, clock[r], channels, ready[r])
+                if start is None:
+                    break
+                end = start + duration(a)
+                _apply(schedule, r, a, end, channels, ready, stored)
+                peak[r] = max(peak[r], stored[r])
+                events.append(Event(r, a, start, end))
+                clock[r], position[r], moved = end, position[r] + 1, True
+        if all(position[r] == len(schedule.actions[r]) for r in range(p)):
+            break
+        if not moved:
+            waits = "; ".join(f"rank {r} waits in {schedule.actions[r][position[r]]}" for r in range(p)
+                              if position[r] < len(schedule.actions[r]))
+            raise ScheduleError(f"schedule {schedule.name!r} deadlocks: {waits}")
+    _check_complete(schedule, events, channels)
+    return Timeline(p, events, peak)
+
+
+def _start_time(schedule, r, a, now, channels, ready):
+    """When `a` can start on rank r, or None while it must wait for a message."""
+    S = schedule.num_stages
+    if a.op.startswith("RECV"):
+        queue = channels.get((a.peer, r))
+        if not queue:
+            return None
+        message, sent_at = queue[0]
+        expected = (a.op[5:], a.stage - 1 if a.op == "RECV_F" else a.stage + 1, a.microbatch)
+        if message != expected:
+            raise ScheduleError(f"rank {r} runs {a} but the next message from rank {a.peer} is "
+                                f"{message[1]}SEND_{message[0]}{message[2]}: receives out of order")
+        return max(now, sent_at)
+    needs = {"F": ("F", a.stage, a.microbatch) if a.stage > 0 else None,
+             "B": ("B", a.stage, a.microbatch) if a.stage < S - 1 else None}.get(a.op)
+    if a.op == "B" and ("F done", a.stage, a.microbatch) not in ready:
+        raise ScheduleError(f"rank {r} runs {a} before its forward {a.stage}F{a.microbatch}")
+    if needs is not None and needs not in ready:
+        raise ScheduleError(f"rank {r} runs {a} before its input arrives (no receive or local result before it)")
+    return now
+
+
+def _apply(schedule, r, a, end, channels, ready, stored):
+    """The effect of `a` on rank r: results, messages, stored activations."""
+    p, S = schedule.num_ranks, schedule.num_stages
+    if a.op.startswith("RECV"):
+        channels[(a.peer, r)].popleft()
+        ready[r].add((a.op[5:], a.stage, a.microbatch))
+    elif a.op.startswith("SEND"):
+        channels.setdefault((r, a.peer), deque()).append(((a.op[5:], a.stage, a.microbatch), end))
+    else:
+        nxt = a.stage + 1 if a.op == "F" else a.stage - 1
+        if a.op == "F":
+            ready[r].add(("F done", a.stage, a.microbatch))
+        if 0 <= nxt < S and nxt % p == r:  # the next stage is on this rank: no message
+            ready[r].add((a.op, nxt, a.microbatch))
+        stored[r] += 1 if a.op == "F" else -1
+
+
+def _check_complete(schedule, events, channels) -> None:
+    done = sorted((e.action.op, e.action.stage, e.action.microbatch) for e in events if e.action.op in ("F", "B"))
+    want = sorted((op, s, i) for op in ("F", "B") for s in range(schedule.num_stages)
+                  for i in range(schedule.num_microbatches))
+    if done != want:
+        raise ScheduleError(f"schedule {schedule.name!r} must run F and B of every stage and micro-batch once: "
+                            f"missing {sorted(set(want) - set(done))[:4]}, extra {len(done) - len(set(done))}")
+    left = [f"{src}\u2192{dst}" for (src, dst), q in channels.items() if q]
+    if left:
+        raise ScheduleError(f"schedule {schedule.name!r} sends messages nobody receives on {', '.join(left)}")
+
+
+def check_schedule(schedule: Schedule) -> Schedule:
+    """Raise ScheduleError unless the schedule runs to the end (no deadlock); return it."""
+    simulate(schedule)
+    return schedule
+
+
+def format_grid(schedule: Schedule) -> str:
+    """The schedule as a time-step by rank grid (F = B = 1 time step; '.' is idle)."""
+    timeline = simulate(schedule)
+    steps = int(timeline.makespan)
+    grid = [["."] * schedule.num_ranks for _ in range(steps)]
+    for e in timeline.events:
+        if e.action.op in ("F", "B"):
+            grid[int(e.start)][e.rank] = f"{e.action.stage}{e.action.op}{e.action.microbatch}"
+    width = max(6, *(len(c) + 1 for row in grid for c in row))
+    header = "step " + "".join(f"rank {r}".ljust(width + 1) for r in range(schedule.num_ranks))
+    return "\n".join([header] + [f"{t:>4} " + "".join(c.ljust(width + 1) for c in row) for t, row in enumerate(grid)])
+
+
+def bubble_formula(p: int, m: int, v: int = 1) -> Fraction:
+    """Idle fraction of GPipe and 1F1B, (p-1)/(m+p-1); with v chunks per rank, (p-1)/(vm+p-1)."""
+    return Fraction(p - 1, v * m + p - 1)
