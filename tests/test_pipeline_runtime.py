@@ -1,0 +1,183 @@
+"""parakit.pipeline's runtime on real ranks (gloo on CPU): every schedule leaves each rank's
+stage gradients equal to one process on the whole batch, sends exactly the activations and
+gradients the schedule names, holds the activations the simulator predicts, and agrees with
+torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import parakit
+from parakit import CommLog
+from parakit.pipeline import (activation_shapes, build_schedule, dp_pp_step, pipeline_step, run_schedule, simulate,
+                              split_microbatches, split_stages)
+
+HIDDEN = 8
+
+
+def mlp(layers: int, seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()) for _ in range(layers)])
+
+
+def reference(model, x, y):
+    """Loss and parameter gradients of one process on the whole batch."""
+    model = copy.deepcopy(model)
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    return loss.detach(), [q.grad for q in model.parameters()]
+
+
+def steps_on_ranks(cases):
+    """pipeline_step for each (model, balance, x, y, schedule, m); this rank's loss and grads."""
+    out = []
+    for model, balance, x, y, schedule, m in cases:
+        loss = pipeline_step(model, balance, x, y, F.mse_loss, schedule=schedule, num_microbatches=m)
+        out.append((loss, [q.grad for q in model.parameters()]))
+    return out
+
+
+def assert_equal_to_one_process(results, cases, p):
+    for c, (model, balance, x, y, schedule, m) in enumerate(cases):
+        loss, grads = reference(model, x, y)
+        stages = len(balance)
+        for rank in range(p):
+            got_loss, got = results[rank][c]
+            if rank == (stages - 1) % p:
+                torch.testing.assert_close(got_loss, loss)
+            else:
+                assert got_loss is None
+            mine = {id(q) for s in split_stages(model, balance)[rank::p] for q in s.parameters()}
+            for q, g_ref, g in zip(model.parameters(), grads, got):
+                if id(q) in mine:
+                    torch.testing.assert_close(g, g_ref, msg=lambda e: f"{schedule} p={p} m={m} rank {rank}: {e}")
+                else:  # another rank's stage: this rank never touched it
+                    assert g is None
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_every_schedule_gives_each_stage_the_gradients_of_one_process(p):
+    seed = int(torch.randint(2**31, ()))
+    cases = []
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+        for m in (p, 2 * p, 4 * p):
+            model = mlp(p * v, seed + m)
+            cases.append((model, [1] * (p * v), torch.randn(4 * m, HIDDEN), torch.randn(4 * m, HIDDEN), schedule, m))
+    cases.append((mlp(2 * p, seed), [2] * p, torch.randn(6, HIDDEN), torch.randn(6, HIDDEN), "gpipe", 3))  # m not a multiple of p
+    n = 2 * (p + 1)  # uneven balance, m = p + 1
+    cases.append((mlp(p + 1, seed), [2] + [1] * (p - 1), torch.randn(n, HIDDEN), torch.randn(n, HIDDEN), "1f1b", p + 1))
+    assert_equal_to_one_process(parakit.launch(steps_on_ranks, cases, world_size=p), cases, p)
+
+
+def measured_run(schedule_name, p, m, v=1):
+    """run_schedule on this rank under a CommLog: its p2p records and its peak activations."""
+    rank = dist.get_rank()
+    model = mlp(p * v, 0)
+    stages = split_stages(model, [1] * (p * v))
+    schedule = build_schedule(schedule_name, p, m, v)
+    x, y = torch.randn(2 * m, HIDDEN), torch.randn(2 * m, HIDDEN)
+    mbs, tgts = split_microbatches(x, m), split_microbatches(y, m)
+    with CommLog() as log:
+        run = run_schedule(schedule, {s: stages[s] for s in range(rank, p * v, p)}, mbs, tgts, F.mse_loss,
+                           activation_shapes(stages, mbs[0]))
+    sends = [(r.op, r.nbytes, r.peer) for r in log.records if r.op == "isend"]
+    recvs = [(r.op, r.nbytes, r.peer) for r in log.records if r.op == "recv"]
+    return sends, recvs, log.count(), run.peak_activations, [e.action for e in run.events]
+
+
+@pytest.mark.parametrize("name,p,m,v", [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2)])
+def test_runtime_sends_what_the_schedule_names_and_holds_the_simulated_peak(name, p, m, v):
+    results = parakit.launch(measured_run, name, p, m, v, world_size=p)
+    schedule = build_schedule(name, p, m, v)
+    predicted = simulate(schedule).peak_activations
+    mb_bytes = 2 * HIDDEN * 4  # one micro-batch of 2 samples, fp32
+    for rank, (sends, recvs, total, peak, actions) in enumerate(results):
+        assert actions == list(schedule.actions[rank])  # the runtime ran the schedule's actions, in order
+        want_sends = [("isend", mb_bytes, a.peer) for a in schedule.actions[rank] if a.op.startswith("SEND")]
+        want_recvs = [("recv", mb_bytes, a.peer) for a in schedule.actions[rank] if a.op.startswith("RECV")]
+        assert (sends, recvs, total) == (want_sends, want_recvs, len(want_sends) + len(want_recvs))
+        assert peak == predicted[rank]
+    if name == "gpipe":
+        assert [r[3] for r in results] == [m] * p
+        assert [len(r[0]) for r in results] == [m, m]  # rank 0: m activations; rank 1: m gradients
+    if name == "1f1b":
+        assert [r[3] for r in results] == [p - r for r in range(p)]  # stage 0 holds p, not m
+
+
+def torch_pipelining(schedule_name, model, x, y, m):
+    """torch.distributed.pipelining's schedule on the same split: losses and grads."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    stage = PipelineStage(split_stages(model, [2] * p)[rank], rank, p, torch.device("cpu"))
+    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name](stage, m, loss_fn=F.mse_loss)
+    losses = []
+    schedule.step(x) if rank == 0 else schedule.step(target=y, losses=losses)
+    torch_grads = [q.grad for q in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    loss = pipeline_step(model, [2] * p, x, y, F.mse_loss, schedule=schedule_name, num_microbatches=m)
+    return (torch.stack(losses).mean() if losses else None), torch_grads, loss, [q.grad for q in model.parameters()]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_loss_and_gradients_match_torch_distributed_pipelining(schedule):
+    model, x, y = mlp(4, int(torch.randint(2**31, ()))), torch.randn(16, HIDDEN), torch.randn(16, HIDDEN)
+    for rank, (torch_loss, torch_grads, loss, grads) in enumerate(parakit.launch(torch_pipelining, schedule, model, x, y,
+                                                                                 4, world_size=2)):
+        assert sum(g is not None for g in grads) == 4  # two Linear layers: weight and bias each
+        for g_torch, g in zip(torch_grads, grads):
+            torch.testing.assert_close(g, g_torch)
+        if rank == 1:
+            torch.testing.assert_close(loss, torch_loss)
+
+
+def dp_pp(model, x, y):
+    """2 pipelines of 2 ranks each ({0,1} and {2,3}); replica d gets half d of the batch."""
+    rank = dist.get_rank()
+    pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replica = rank // 2
+    with CommLog() as log:
+        dp_pp_step(model, [2, 2], x.chunk(2)[replica], y.chunk(2)[replica], F.mse_loss,
+                   pp_group=pp_groups[replica], dp_group=dp_groups[rank % 2], num_microbatches=4)
+    return [q.grad for q in model.parameters()], log.count("all_reduce"), log.nbytes("all_reduce")
+
+
+def test_dp_x_pp_equals_one_process_with_one_all_reduce_per_step():
+    model, x, y = mlp(4, int(torch.randint(2**31, ()))), torch.randn(16, HIDDEN), torch.randn(16, HIDDEN)
+    _, want = reference(model, x, y)
+    stage_bytes = 2 * (HIDDEN * HIDDEN + HIDDEN) * 4  # two Linear layers per stage, fp32
+    for rank, (grads, all_reduces, nbytes) in enumerate(parakit.launch(dp_pp, model, x, y, world_size=4)):
+        assert (all_reduces, nbytes) == (1, stage_bytes)
+        stage = rank % 2
+        for i, (g, g_ref) in enumerate(zip(grads, want)):
+            if i // 4 == stage:
+                torch.testing.assert_close(g, g_ref)
+            else:
+                assert g is None
+
+
+def wrong_stage_count():
+    return pipeline_step(mlp(3, 0), [1, 1, 1], torch.randn(4, HIDDEN), torch.randn(4, HIDDEN), F.mse_loss)
+
+
+def test_stage_count_that_does_not_match_the_world_size_is_refused_on_every_rank():
+    with pytest.raises(parakit.launcher.RankError, match=r"balance \[1, 1, 1\] makes 3 stages for 2 ranks: "
+                                                         r"schedule '1f1b' needs 2 stages, one per rank"):
+        parakit.launch(wrong_stage_count, world_size=2)
+    assert parakit.launch(lambda: dist.get_rank(), world_size=2) == [0, 1]  # the pool still works
+
+
+@pytest.mark.parametrize("kwargs,batch,message", [
+    (dict(num_microbatches=0), 4, "num_microbatches m must be a positive int, got 0"),
+    (dict(num_microbatches=3), 4, "a batch of 4 samples does not split into 3 equal micro-batches"),
+    (dict(schedule="zero-bubble"), 4, "unknown schedule 'zero-bubble'"),
+])
+def test_bad_step_arguments_are_refused_in_one_process(kwargs, batch, message):
+    with pytest.raises(ValueError, match=message):
+        pipeline_step(mlp(2, 0), [2], torch.randn(batch, HIDDEN), torch.randn(batch, HIDDEN), F.mse_loss, **kwargs)

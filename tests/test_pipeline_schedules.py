@@ -1,0 +1,136 @@
+"""parakit.pipeline's schedules on paper: the builders' action orders, the simulator's
+bubble (exactly the formulas, in integer time units), its peak stored activations, the
+deadlock and order checks, the printed grid, and the errors for impossible requests."""
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+from torch import nn
+
+from parakit.pipeline import (Action, Schedule, ScheduleError, balance_from_split_points, bubble_formula,
+                              build_schedule, check_schedule, format_grid, simulate, split_stages)
+from parakit.pipeline.schedules import with_communication
+
+GRID = [(p, m) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 4, 5, 8, 12, 16)]
+
+
+def compute_names(schedule, rank):
+    return [f"{a.op}{a.microbatch}" for a in schedule.compute(rank)]
+
+
+def test_gpipe_runs_all_forwards_then_all_backwards():
+    s = build_schedule("gpipe", 3, 4)
+    for rank in range(3):
+        assert compute_names(s, rank) == ["F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"]
+
+
+def test_1f1b_warms_up_alternates_and_cools_down():
+    s = build_schedule("1f1b", 4, 6)
+    assert compute_names(s, 0) == ["F0", "F1", "F2", "F3", "B0", "F4", "B1", "F5", "B2", "B3", "B4", "B5"]
+    assert compute_names(s, 2) == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "F4", "B3", "F5", "B4", "B5"]
+    assert compute_names(s, 3) == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", "F4", "B4", "F5", "B5"]
+
+
+def test_sends_follow_their_compute_and_receives_precede_it():
+    s = build_schedule("1f1b", 2, 2)
+    assert [str(a) for a in s.actions[0]] == ["0F0", "0SEND_F0\u21921", "0F1", "0SEND_F1\u21921",
+                                               "0RECV_B0\u21901", "0B0", "0RECV_B1\u21901", "0B1"]
+    assert [str(a) for a in s.actions[1]] == ["1RECV_F0\u21900", "1F0", "1B0", "1SEND_B0\u21920",
+                                               "1RECV_F1\u21900", "1F1", "1B1", "1SEND_B1\u21920"]
+
+
+def test_interleaved_places_chunk_c_of_rank_r_at_stage_c_p_plus_r():
+    s = build_schedule("interleaved", 2, 4, 2)
+    assert [(a.op, a.stage, a.microbatch) for a in s.compute(0)][:5] == [
+        ("F", 0, 0), ("F", 0, 1), ("F", 2, 0), ("F", 2, 1), ("F", 0, 2)]
+    assert {a.stage for a in s.compute(1)} == {1, 3}
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_simulated_bubble_is_exactly_p_minus_1_over_m_plus_p_minus_1(name):
+    for p, m in GRID:
+        if name == "1f1b" and m < p:
+            continue
+        timeline = simulate(build_schedule(name, p, m), {"F": 1, "B": 1})
+        assert [timeline.idle_fraction(r) for r in range(p)] == [Fraction(p - 1, m + p - 1)] * p, (p, m)
+        assert timeline.bubble == bubble_formula(p, m) and timeline.makespan == 2 * (m + p - 1)
+
+
+def test_simulated_interleaved_bubble_is_exactly_p_minus_1_over_v_m_plus_p_minus_1():
+    for p, m in GRID:
+        for v in (2, 3, 4):
+            if m % p == 0:
+                timeline = simulate(build_schedule("interleaved", p, m, v))
+                assert timeline.bubble == Fraction(p - 1, v * m + p - 1) == bubble_formula(p, m, v), (p, m, v)
+
+
+def test_unequal_forward_and_backward_times_keep_the_gpipe_bubble_formula():
+    timeline = simulate(build_schedule("gpipe", 4, 8), {"F": Fraction(1), "B": Fraction(2)})
+    assert timeline.makespan == (8 + 3) * 3 and timeline.bubble == Fraction(3, 11)
+
+
+def test_peak_stored_activations_gpipe_m_and_1f1b_p_minus_rank():
+    for p, m in GRID:
+        assert simulate(build_schedule("gpipe", p, m)).peak_activations == [m] * p
+        if m >= p:
+            assert simulate(build_schedule("1f1b", p, m)).peak_activations == [p - r for r in range(p)]
+
+
+def test_grid_prints_one_row_per_time_step_and_dots_for_idle():
+    lines = format_grid(build_schedule("gpipe", 2, 2)).splitlines()
+    assert lines[0].split() == ["step", "rank", "0", "rank", "1"]
+    assert [line.split()[1:] for line in lines[1:]] == [
+        ["0F0", "."], ["0F1", "1F0"], [".", "1F1"], [".", "1B0"], ["0B0", "1B1"], ["0B1", "."]]
+    assert str(build_schedule("gpipe", 2, 2)) == "\n".join(lines)
+
+
+def test_a_schedule_that_deadlocks_is_refused_with_where_each_rank_waits():
+    orders = [[Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)],
+              [Action("F", 1, 0), Action("F", 1, 1), Action("B", 1, 0), Action("B", 1, 1)]]
+    with pytest.raises(ScheduleError, match="schedule 'bad' deadlocks: rank 0 waits in 0RECV_B0\u21901; "
+                                            "rank 1 waits in 1RECV_F1\u21900"):
+        check_schedule(with_communication("bad", orders, 2, 2, 1))
+
+
+def test_receives_out_of_order_compute_before_input_and_missing_actions_are_refused():
+    good = build_schedule("gpipe", 2, 2)
+    r1 = list(good.actions[1])
+    swapped = r1[2:4] + r1[:2] + r1[4:]  # rank 1 receives micro-batch 1 first
+    with pytest.raises(ScheduleError, match="rank 1 runs 1RECV_F1\u21900 but the next message from rank 0 is "
+                                            "0SEND_F0: receives out of order"):
+        simulate(Schedule("swapped", 2, 2, 1, (good.actions[0], tuple(swapped))))
+    no_recv = tuple(a for a in r1 if a != Action("RECV_F", 1, 0, 0))
+    with pytest.raises(ScheduleError, match=r"rank 1 runs 1F0 before its input arrives"):
+        simulate(Schedule("no_recv", 2, 2, 1, (good.actions[0], no_recv)))
+    one_rank = build_schedule("gpipe", 1, 2)
+    with pytest.raises(ScheduleError, match=r"must run F and B of every stage and micro-batch once: "
+                                            r"missing \[\('B', 0, 1\)\]"):
+        simulate(Schedule("short", 1, 2, 1, (one_rank.actions[0][:-1],)))
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: build_schedule("gpipe", 2, 0), "num_microbatches m must be a positive int, got 0"),
+    (lambda: build_schedule("1f1b", 4, 3), r"1F1B needs at least as many micro-batches as stages: "
+                                           r"num_microbatches=3 < 4 stages. Use num_microbatches >= 4, or schedule='gpipe'"),
+    (lambda: build_schedule("interleaved", 2, 3, 2), "num_microbatches=3 is not a multiple of 2; use m = 4"),
+    (lambda: build_schedule("1f1b", 2, 4, 2), "schedule '1f1b' runs one stage per rank but 2 stages per rank"),
+    (lambda: build_schedule("zb", 2, 4), "unknown schedule 'zb': use one of 'gpipe', '1f1b', 'interleaved'"),
+])
+def test_impossible_schedules_are_refused_with_what_to_change(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_stages_share_the_models_layers_by_balance_and_split_points():
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(5)])
+    stages = split_stages(model, [2, 3])
+    assert [len(s) for s in stages] == [2, 3] and stages[1][0] is model[2]
+    assert balance_from_split_points([2, 3], 5) == [2, 1, 2]
+    with pytest.raises(ValueError, match=r"balance \[2, 2\] sums to 4 layers but the model has 5: "
+                                         r"change balance so that its entries add up to 5"):
+        split_stages(model, [2, 2])
+    with pytest.raises(ValueError, match=r"balance \[5, 0\] must list at least one layer per stage"):
+        split_stages(model, [5, 0])
+    with pytest.raises(ValueError, match=r"split points \[3, 3\] must increase strictly inside \(0, 5\)"):
+        balance_from_split_points([3, 3], 5)
