@@ -96,3 +96,71 @@ def _widget(spec):
         low, high, *step = spec
         return ipywidgets.IntSlider(value=low, min=low, max=high, step=step[0] if step else 1)
     return spec
+
+
+# ---------------------------------------------------------------- lesson 04: pipeline schedules
+
+PIPELINE_COLOURS = {"F": "#2a9d8f", "B": "#e76f51"}
+
+
+def pipeline_gantt(timeline, *, title: str = "", unit: str = "time step", ax=None):
+    """Gantt chart of a pipeline time line (`parakit.pipeline.simulate` or the runtime's
+    measured events): one row per rank, a bar per forward (F) and backward (B) labelled with
+    its micro-batch, later chunks of interleaved schedules hatched; the rank's idle
+    fraction at the right."""
+    standalone = ax is None
+    if standalone:
+        _, ax = plt.subplots(figsize=(10, 0.5 * timeline.num_ranks + 1.3))
+    t0, span = timeline.start, float(timeline.makespan)
+    for e in timeline.compute:
+        chunk = e.action.stage // timeline.num_ranks
+        start, width = float(e.start - t0), float(e.end - e.start)
+        ax.barh(e.rank, width, left=start, height=0.8, color=PIPELINE_COLOURS[e.action.op], edgecolor="white",
+                hatch="//" if chunk % 2 else None)
+        if width > span / 60:
+            ax.text(start + width / 2, e.rank, str(e.action.microbatch), ha="center", va="center", fontsize=7, color="white")
+    for r in range(timeline.num_ranks):
+        ax.text(span * 1.01, r, f"idle {float(timeline.idle_fraction(r)):.0%}", va="center", fontsize=8)
+    ax.set_yticks(range(timeline.num_ranks), [f"rank {r}" for r in range(timeline.num_ranks)])
+    ax.set_ylim(timeline.num_ranks - 0.5, -0.5)
+    ax.set_xlim(0, span * 1.1)
+    ax.set_xlabel(unit)
+    ax.set_title(title or f"bubble {float(timeline.bubble):.1%}, peak stored activations {timeline.peak_activations}",
+                 fontsize=10)
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in PIPELINE_COLOURS.values()],
+              labels=["forward", "backward"], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    if standalone:
+        ax.figure.tight_layout()
+    return ax.figure
+
+
+def pipeline_predicted_vs_measured(predicted, measured, *, title: str = ""):
+    """The simulator's time line above the runtime's measured one, on the same time axis."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 1.0 * (predicted.num_ranks + measured.num_ranks) + 2.2),
+                                      sharex=True)
+    pipeline_gantt(predicted, ax=top, unit="seconds",
+                   title=f"simulated with each F and B taking its measured time: bubble {float(predicted.bubble):.1%}")
+    pipeline_gantt(measured, ax=bottom, unit="seconds",
+                   title=f"measured by the runtime: idle {float(measured.bubble):.1%}")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def pipeline_schedule_figure(schedule: str = "1f1b", p: int = 4, m: int = 8, v: int = 2):
+    """One schedule drawn from parakit's own schedule data (F = B = 1 time step per chunk),
+    with its bubble next to the formula and its peak stored activations per rank."""
+    from parakit.pipeline import bubble_formula, build_schedule, simulate
+
+    v = v if schedule == "interleaved" else 1
+    try:
+        timeline = simulate(build_schedule(schedule, p, m, v))
+    except ValueError as error:  # an impossible choice (1F1B with m < p, ...): say why instead of a chart
+        fig, ax = plt.subplots(figsize=(10, 1.2))
+        ax.axis("off")
+        ax.text(0, 0.5, str(error), wrap=True, fontsize=9)
+        return fig
+    formula = bubble_formula(p, m, v)
+    return pipeline_gantt(timeline, title=f"{schedule}, p={p}, m={m}" + (f", v={v}" if v > 1 else "") +
+                          f": bubble {float(timeline.bubble):.1%} (formula (p-1)/({'v' if v > 1 else ''}m+p-1) = "
+                          f"{float(formula):.1%}), peak stored activations per rank {timeline.peak_activations}")

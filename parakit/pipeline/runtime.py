@@ -18,10 +18,10 @@ from torch import nn
 
 from parakit.launcher import device
 from parakit.pipeline.schedules import Action, Schedule, build_schedule
-from parakit.pipeline.simulate import Event, check_schedule
+from parakit.pipeline.simulate import Event, Timeline, check_schedule
 from parakit.pipeline.split import split_stages
 
-__all__ = ["pipeline_step", "dp_pp_step", "run_schedule", "split_microbatches", "activation_shapes", "RankRun"]
+__all__ = ["pipeline_step", "pipeline_run", "timeline_of", "dp_pp_step", "run_schedule", "split_microbatches", "activation_shapes", "RankRun"]
 
 
 @dataclass
@@ -141,6 +141,13 @@ def pipeline_step(model, balance, batch, target, loss_fn, schedule: str = "1f1b"
     (None on the others) and leaves the gradients in each rank's stages, i.e. in `model`.
     Sends p2p as in `run_schedule`.
     """
+    return pipeline_run(model, balance, batch, target, loss_fn, schedule, num_microbatches, group).loss
+
+
+def pipeline_run(model, balance, batch, target, loss_fn, schedule: str = "1f1b", num_microbatches: int | None = None,
+                 group=None) -> RankRun:
+    """`pipeline_step`, returning this rank's `RankRun` (its measured events and peak
+    stored activations) instead of the loss alone."""
     p = dist.get_world_size(group) if dist.is_initialized() else 1
     stages = split_stages(model, balance)
     if len(stages) % p or (schedule != "interleaved" and len(stages) != p):
@@ -152,8 +159,12 @@ def pipeline_step(model, balance, batch, target, loss_fn, schedule: str = "1f1b"
     microbatches, targets = split_microbatches(batch, m), split_microbatches(target, m)
     rank = dist.get_rank(group) if p > 1 else 0
     mine = {s: stages[s] for s in range(rank, len(stages), p)}
-    run = run_schedule(plan, mine, microbatches, targets, loss_fn, activation_shapes(stages, microbatches[0]), group)
-    return run.loss
+    return run_schedule(plan, mine, microbatches, targets, loss_fn, activation_shapes(stages, microbatches[0]), group)
+
+
+def timeline_of(runs: list[RankRun]) -> Timeline:
+    """The measured time line of one step, from the RankRun of every rank (in rank order)."""
+    return Timeline(len(runs), [e for run in runs for e in run.events], [run.peak_activations for run in runs])
 
 
 def dp_pp_step(model, balance, batch, target, loss_fn, *, pp_group, dp_group, schedule: str = "1f1b",

@@ -38,12 +38,26 @@ class Timeline:
     peak_activations: list[int]
 
     @property
+    def compute(self) -> list[Event]:
+        return [e for e in self.events if e.action.op in ("F", "B")]
+
+    @property
+    def start(self):
+        """When the first forward starts (a rank that waits before it, e.g. for a late peer, is not yet in the step)."""
+        return min(e.start for e in self.compute)
+
+    @property
     def makespan(self):
-        return max(e.end for e in self.events) - min(e.start for e in self.events)
+        """From the first forward's start to the last backward's end."""
+        return max(e.end for e in self.compute) - self.start
+
+    def action_times(self) -> dict[Action, float]:
+        """How long each F and B took: pass it to `simulate` to replay these times."""
+        return {e.action: e.end - e.start for e in self.compute}
 
     def busy(self, rank: int):
         """Time rank `rank` spends computing (F and B); sends and waits count as idle."""
-        return sum(e.end - e.start for e in self.events if e.rank == rank and e.action.op in ("F", "B"))
+        return sum(e.end - e.start for e in self.compute if e.rank == rank)
 
     def idle_fraction(self, rank: int):
         return 1 - self.busy(rank) / self.makespan
@@ -61,8 +75,14 @@ class Timeline:
 def simulate(schedule: Schedule, times: Mapping[str, object] | Callable[[Action], object] | None = None) -> Timeline:
     """Run `schedule` on paper. `times` maps an op ("F", "B", "SEND_F", ...) to its
     duration (default F = B = 1, communication 0; use ints or Fractions for exact results),
-    or is a function of the action. Raises ScheduleError if the schedule cannot run."""
-    duration = times if callable(times) else (lambda a, t={"F": 1, "B": 1, **(times or {})}: t.get(a.op, 0))
+    or maps each F and B action to its own duration (`Timeline.action_times`), or is a
+    function of the action. Raises ScheduleError if the schedule cannot run."""
+    if callable(times):
+        duration = times
+    elif times and isinstance(next(iter(times)), Action):
+        duration = lambda a: times.get(a, 0)  # noqa: E731
+    else:
+        duration = lambda a, t={"F": 1, "B": 1, **(times or {})}: t.get(a.op, 0)  # noqa: E731
     p, S = schedule.num_ranks, schedule.num_stages
     position, clock = [0] * p, [Fraction(0)] * p
     channels: dict[tuple[int, int], deque] = {}  # (src, dst) -> (message, time sent)
