@@ -167,7 +167,7 @@ def wrong_stage_count():
 
 
 def test_stage_count_that_does_not_match_the_world_size_is_refused_on_every_rank():
-    with pytest.raises(parakit.launcher.RankError, match=r"balance \[1, 1, 1\] makes 3 stages for 2 ranks: "
+    with pytest.raises(parakit.launcher.RankError, match=r"balance makes 3 stages for 2 ranks: "
                                                          r"schedule '1f1b' needs 2 stages, one per rank"):
         parakit.launch(wrong_stage_count, world_size=2)
     assert parakit.launch(lambda: dist.get_rank(), world_size=2) == [0, 1]  # the pool still works
@@ -177,6 +177,8 @@ def test_stage_count_that_does_not_match_the_world_size_is_refused_on_every_rank
     (dict(num_microbatches=0), 4, "num_microbatches m must be a positive int, got 0"),
     (dict(num_microbatches=3), 4, "a batch of 4 samples does not split into 3 equal micro-batches"),
     (dict(schedule="zero-bubble"), 4, "unknown schedule 'zero-bubble'"),
+    (dict(schedule=build_schedule("gpipe", 2, 2)), 4, "schedule 'gpipe' is for 2 ranks, 2 stages and 2 micro-batches, "
+                                                      "but this step has 1 ranks, 1 stages and num_microbatches=None"),
 ])
 def test_bad_step_arguments_are_refused_in_one_process(kwargs, batch, message):
     with pytest.raises(ValueError, match=message):

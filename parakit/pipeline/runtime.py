@@ -136,7 +136,7 @@ def pipeline_step(model, balance, batch, target, loss_fn, schedule: str = "1f1b"
     (default: the world); call it on every rank of the group with the same arguments.
 
     `len(balance)` stages go to p ranks: one each for "gpipe" and "1f1b", v = len(balance)/p
-    each for "interleaved". `num_microbatches` defaults to p. `loss_fn(output, target)` must
+    each for "interleaved"; `schedule` may also be a `Schedule` built for this step. `num_microbatches` defaults to p. `loss_fn(output, target)` must
     average over its micro-batch. Returns the loss on the rank holding the last stage
     (None on the others) and leaves the gradients in each rank's stages, i.e. in `model`.
     Sends p2p as in `run_schedule`.
@@ -150,16 +150,28 @@ def pipeline_run(model, balance, batch, target, loss_fn, schedule: str = "1f1b",
     stored activations) instead of the loss alone."""
     p = dist.get_world_size(group) if dist.is_initialized() else 1
     stages = split_stages(model, balance)
-    if len(stages) % p or (schedule != "interleaved" and len(stages) != p):
-        raise ValueError(f"balance {list(balance)} makes {len(stages)} stages for {p} ranks: schedule {schedule!r} "
-                         f"needs {'a multiple of ' if schedule == 'interleaved' else ''}{p} stages, one per rank"
-                         f"{' or v per rank' if schedule == 'interleaved' else ''}; change balance or the group size")
-    m = p if num_microbatches is None else num_microbatches
-    plan = check_schedule(build_schedule(schedule, p, m, len(stages) // p))
+    plan = _plan(schedule, p, len(stages), num_microbatches)
+    m = plan.num_microbatches
     microbatches, targets = split_microbatches(batch, m), split_microbatches(target, m)
     rank = dist.get_rank(group) if p > 1 else 0
     mine = {s: stages[s] for s in range(rank, len(stages), p)}
     return run_schedule(plan, mine, microbatches, targets, loss_fn, activation_shapes(stages, microbatches[0]), group)
+
+
+def _plan(schedule: str | Schedule, p: int, num_stages: int, num_microbatches: int | None) -> Schedule:
+    """The checked schedule for p ranks and `num_stages` stages: built by name, or given."""
+    if isinstance(schedule, Schedule):
+        if (schedule.num_ranks, schedule.num_stages) != (p, num_stages) or num_microbatches not in (None, schedule.num_microbatches):
+            raise ValueError(f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks, {schedule.num_stages} stages "
+                             f"and {schedule.num_microbatches} micro-batches, but this step has {p} ranks, {num_stages} "
+                             f"stages and num_microbatches={num_microbatches}: build it for this step")
+        return check_schedule(schedule)
+    interleaved = schedule == "interleaved"
+    if num_stages % p or (not interleaved and num_stages != p):
+        raise ValueError(f"balance makes {num_stages} stages for {p} ranks: schedule {schedule!r} needs "
+                         f"{'a multiple of ' if interleaved else ''}{p} stages, one per rank"
+                         f"{' or v per rank' if interleaved else ''}; change balance or the group size")
+    return check_schedule(build_schedule(schedule, p, p if num_microbatches is None else num_microbatches, num_stages // p))
 
 
 def timeline_of(runs: list[RankRun]) -> Timeline:
