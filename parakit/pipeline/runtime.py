@@ -136,8 +136,9 @@ def pipeline_step(model, balance, batch, target, loss_fn, schedule: str = "1f1b"
     (default: the world); call it on every rank of the group with the same arguments.
 
     `len(balance)` stages go to p ranks: one each for "gpipe" and "1f1b", v = len(balance)/p
-    each for "interleaved"; `schedule` may also be a `Schedule` built for this step. `num_microbatches` defaults to p. `loss_fn(output, target)` must
-    average over its micro-batch. Returns the loss on the rank holding the last stage
+    each for "interleaved"; `schedule` may also be a `Schedule` built for this step.
+    `num_microbatches` defaults to p. `loss_fn(output, target)` must average over its
+    micro-batch. Returns the loss on the rank holding the last stage
     (None on the others) and leaves the gradients in each rank's stages, i.e. in `model`.
     Sends p2p as in `run_schedule`.
     """
