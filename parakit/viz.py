@@ -127,8 +127,12 @@ def pipeline_gantt(timeline, *, title: str = "", unit: str = "time step", ax=Non
     ax.set_xlabel(unit)
     ax.set_title(title or f"bubble {float(timeline.bubble):.1%}, peak stored activations {timeline.peak_activations}",
                  fontsize=10)
-    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in PIPELINE_COLOURS.values()],
-              labels=["forward", "backward"], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PIPELINE_COLOURS.values()]
+    labels = ["forward", "backward"]
+    if any(e.action.stage >= timeline.num_ranks for e in timeline.compute):
+        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="grey", hatch="//"))
+        labels.append("odd chunk")
+    ax.legend(handles=handles, labels=labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
     if standalone:
         ax.figure.tight_layout()
     return ax.figure
