@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["cube_side", "cube_coords", "cube_rank", "cube_groups", "Cube", "Linear3D", "LayerNorm3D",
-           "ClassifierHead3D", "split_batch", "gather_batch", "split_weight", "linear3d_cost"]
+           "ClassifierHead3D", "linear3d_forward", "linear3d_backward", "split_batch", "gather_batch",
+           "split_weight", "linear3d_cost"]
 
 AXES = ("weight", "input", "output")  # coordinate index 0 (i), 1 (j), 2 (l)
 
@@ -96,6 +97,9 @@ class Cube:
         other.input_axis, other.output_axis = self.output_axis, self.input_axis
         return other
 
+    def __deepcopy__(self, memo) -> "Cube":
+        return self  # process groups are shared handles: a copy would be the same cube
+
     def axis_group(self, *axes: str):
         """The process group along `axes` (one or two of "weight", "input", "output")."""
         return self._groups[tuple(sorted(axes, key=AXES.index))]
@@ -163,26 +167,43 @@ def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return out
 
 
+def linear3d_forward(x: torch.Tensor, a: torch.Tensor, cube: Cube):
+    """Y_ijl from X_ijl [batch/q**2, in/q] and A_lji [in/q, out/q**2]; returns (Y_ijl, X_il, A_lj).
+
+    All-gathers X over the input group ((q-1) * X_ijl bytes) and A over the weight group
+    ((q-1) * A_lji bytes), reduce-scatters X_il @ A_lj over the output group ((q-1)/q of its bytes).
+    """
+    x_il = _all_gather(x, cube.axis_group(cube.input_axis), dim=0)  # [batch/q, in/q]
+    a_lj = _all_gather(a, cube.axis_group("weight"), dim=1)  # [in/q, out/q]
+    y = _reduce_scatter(x_il @ a_lj, cube.axis_group(cube.output_axis), dim=0)  # [batch/q^2, out/q]
+    return y, x_il, a_lj
+
+
+def linear3d_backward(dy: torch.Tensor, x_il: torch.Tensor, a_lj: torch.Tensor, cube: Cube):
+    """(dX_ijl, dA_lji) from dY_ijl and the forward's gathered X_il, A_lj.
+
+    All-gathers dY over the output group ((q-1) * dY_ijl bytes), reduce-scatters dX = dY A^T
+    over the input group and dA = X^T dY over the weight group ((q-1)/q of each one's bytes).
+    """
+    dy_ij = _all_gather(dy, cube.axis_group(cube.output_axis), dim=0)  # [batch/q, out/q]
+    dx = _reduce_scatter(dy_ij @ a_lj.t(), cube.axis_group(cube.input_axis), dim=0)  # [batch/q^2, in/q]
+    da = _reduce_scatter(x_il.t() @ dy_ij, cube.axis_group("weight"), dim=1)  # [in/q, out/q^2]
+    return dx, da
+
+
 class _Linear3DFunction(torch.autograd.Function):
-    """Y = XA on the cube: the seed's forward (gather X, gather A, reduce-scatter Y) and
-    backward (gather dY, reduce-scatter dX and dA) side by side."""
+    """Y = XA on the cube: the seed's forward and backward as one autograd function."""
 
     @staticmethod
     def forward(ctx, x, a, cube):
-        x_il = _all_gather(x, cube.axis_group(cube.input_axis), dim=0)  # [batch/q, in/q]
-        a_lj = _all_gather(a, cube.axis_group("weight"), dim=1)  # [in/q, out/q]
+        y, x_il, a_lj = linear3d_forward(x, a, cube)
         ctx.save_for_backward(x_il, a_lj)
         ctx.cube = cube
-        return _reduce_scatter(x_il @ a_lj, cube.axis_group(cube.output_axis), dim=0)  # [batch/q^2, out/q]
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x_il, a_lj = ctx.saved_tensors
-        cube = ctx.cube
-        dy_ij = _all_gather(dy, cube.axis_group(cube.output_axis), dim=0)  # [batch/q, out/q]
-        dx = _reduce_scatter(dy_ij @ a_lj.t(), cube.axis_group(cube.input_axis), dim=0)  # [batch/q^2, in/q]
-        da = _reduce_scatter(x_il.t() @ dy_ij, cube.axis_group("weight"), dim=1)  # [in/q, out/q^2]
-        return dx, da, None
+        return (*linear3d_backward(dy, *ctx.saved_tensors, ctx.cube), None)
 
 
 class _GatherShard(torch.autograd.Function):
