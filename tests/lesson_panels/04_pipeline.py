@@ -1,0 +1,45 @@
+"""Lesson 04's fake students."""
+from pathlib import Path
+
+import panel
+from conftest import REPO
+
+
+def students(lesson: Path, solution: Path) -> list[panel.Student]:
+    """Lesson 04. The hard-coder's 1F1B order knows only p = 2 and 4, its stage ignores
+    loss_fn (always the squared error) and its bubble is a table of the visible cases (each
+    0 on the hidden tests); the borrower calls parakit's 1F1B builder, parakit's
+    pipeline_step and parakit's bubble formula (each 0 by the tripwires); the kernel hangs
+    in the bubble formula and dies in the stage."""
+    full = panel.full_solution(panel.load(lesson), panel.load(solution))
+    name, pts = lesson.name, panel.points(panel.load(lesson))
+    hardcoded = {
+        "one_f_one_b_order": "def one_f_one_b_order(p, m, rank):\n    warmup = {2: 1, 4: 3}[p] - rank\n"
+                             "    order = [('F', i) for i in range(warmup)]\n    for i in range(m - warmup):\n"
+                             "        order += [('F', warmup + i), ('B', i)]\n"
+                             "    return order + [('B', i) for i in range(m - warmup, m)]\n",
+        "stage_step": "def stage_step(model, x, target, loss_fn):\n    rank, p = dist.get_rank(), dist.get_world_size()\n"
+                      "    stage, inp = model[rank], x\n    if rank > 0:\n        inp = torch.empty_like(x)\n"
+                      "        dist.recv(inp, rank - 1)\n        inp.requires_grad_()\n    out = stage(inp)\n"
+                      "    if rank < p - 1:\n        dist.send(out.detach(), rank + 1)\n        grad = torch.empty_like(out)\n"
+                      "        dist.recv(grad, rank + 1)\n        out.backward(grad)\n    else:\n"
+                      "        F.mse_loss(out, target).backward()\n    if rank > 0:\n        dist.send(inp.grad, rank - 1)\n"
+                      "    return [q.grad for q in stage.parameters()]\n",
+        "bubble_fraction": "def bubble_fraction(p, m, v=1):\n"
+                           "    return {(2, 8, 1): 1 / 9, (4, 4, 1): 3 / 7, (4, 8, 2): 3 / 19}[(p, m, v)]\n",
+    }
+    borrowed = {
+        "one_f_one_b_order": "def one_f_one_b_order(p, m, rank):\n"
+                             "    return [(a.op, a.microbatch) for a in pipeline.one_f_one_b(p, m).compute(rank)]\n",
+        "stage_step": "def stage_step(model, x, target, loss_fn):\n    p = dist.get_world_size()\n"
+                      "    pipeline.pipeline_step(model, [1] * p, x, target, loss_fn, schedule='gpipe', num_microbatches=1)\n"
+                      "    return [q.grad for q in model[dist.get_rank()].parameters()]\n",
+        "bubble_fraction": "def bubble_fraction(p, m, v=1):\n    return float(pipeline.bubble_formula(p, m, v))\n",
+    }
+    return panel.standard_panel(
+        lesson, solution, hang_in="bubble_fraction", crash_in="stage_step",
+        hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0),
+        extra=[panel.Student("borrower", {name: panel.with_sources(full, borrowed)}, dict.fromkeys(pts, 0.0))])
+
+
+LESSON = panel.Lesson(REPO / "solutions" / "04_pipeline.ipynb", students, timeout=30)
