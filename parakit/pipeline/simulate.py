@@ -83,7 +83,7 @@ def simulate(schedule: Schedule, times: Mapping[str, object] | Callable[[Action]
         duration = lambda a: times.get(a, 0)  # noqa: E731
     else:
         duration = lambda a, t={"F": 1, "B": 1, **(times or {})}: t.get(a.op, 0)  # noqa: E731
-    p, S = schedule.num_ranks, schedule.num_stages
+    p = schedule.num_ranks
     position, clock = [0] * p, [Fraction(0)] * p
     channels: dict[tuple[int, int], deque] = {}  # (src, dst) -> (message, time sent)
     ready = [set() for _ in range(p)]  # inputs at hand: ("F", stage, i) activations, ("B", stage, i) gradients
