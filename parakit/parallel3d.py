@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["cube_side", "cube_coords", "cube_rank", "cube_groups", "Cube", "Linear3D", "LayerNorm3D",
-           "ClassifierHead3D", "linear3d_forward", "linear3d_backward", "split_batch", "gather_batch",
+           "ClassifierHead3D", "x_block", "a_block", "block_owners", "linear3d_forward", "linear3d_backward", "split_batch", "gather_batch",
            "split_weight", "linear3d_cost"]
 
 AXES = ("weight", "input", "output")  # coordinate index 0 (i), 1 (j), 2 (l)
@@ -80,6 +80,10 @@ class Cube:
         self._groups = self._build(group)
         self.input_axis, self.output_axis = "input", "output"
 
+    @property
+    def is_swapped(self) -> bool:
+        return self.input_axis == "output"
+
     def _build(self, group) -> dict:
         mine = {}
         to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
@@ -114,16 +118,40 @@ def _check_divisible(what: str, size: int, by: int, q: int) -> None:
                          f"splits it into {by} blocks; pick a multiple of {by}")
 
 
-def split_batch(x: torch.Tensor, cube: Cube) -> torch.Tensor:
-    """This rank's block of a full activation x [batch, features] (no communication).
+def x_block(rank: int, q: int, swapped: bool = False) -> tuple[int, int]:
+    """(row block of q*q, column block of q) of the activation `rank` holds: X_ijl is row
+    block i*q+j, column block l (input and output axes exchanged when `swapped`)."""
+    i, j, l = cube_coords(rank, q)
+    return (i * q + l, j) if swapped else (i * q + j, l)
 
-    Rows: block (weight, input) of q*q; columns: block `output` of q, per the cube's roles.
-    """
+
+def a_block(rank: int, q: int, swapped: bool = False) -> tuple[int, int]:
+    """(row block of q, column block of q*q) of the weight `rank` holds: A_lji is row block
+    l, column block j*q+i (input and output axes exchanged when `swapped`)."""
+    i, j, l = cube_coords(rank, q)
+    return (j, l * q + i) if swapped else (l, j * q + i)
+
+
+def block_owners(q: int, swapped: bool = False) -> dict[str, list[list[int]]]:
+    """Which rank holds each block: {"X": [q*q rows][q cols], "A": [q rows][q*q cols]}."""
+    owners = {"X": [[0] * q for _ in range(q * q)], "A": [[0] * (q * q) for _ in range(q)]}
+    for rank in range(q**3):
+        (xr, xc), (ar, ac) = x_block(rank, q, swapped), a_block(rank, q, swapped)
+        owners["X"][xr][xc], owners["A"][ar][ac] = rank, rank
+    return owners
+
+
+def _rank_in(cube: Cube) -> int:
+    return cube_rank(*cube.coords, cube.q)
+
+
+def split_batch(x: torch.Tensor, cube: Cube) -> torch.Tensor:
+    """This rank's block of a full activation x [batch, features] (no communication)."""
     q = cube.q
     _check_divisible("batch", x.shape[0], q * q, q)
     _check_divisible("features", x.shape[-1], q, q)
-    row = cube.coord("weight") * q + cube.coord(cube.input_axis)
-    return x.chunk(q * q, dim=0)[row].chunk(q, dim=-1)[cube.coord(cube.output_axis)].contiguous()  # [batch/q^2, f/q]
+    row, col = x_block(_rank_in(cube), q, cube.is_swapped)
+    return x.chunk(q * q, dim=0)[row].chunk(q, dim=-1)[col].contiguous()  # [batch/q^2, f/q]
 
 
 def gather_batch(x: torch.Tensor, cube: Cube) -> torch.Tensor:
@@ -134,11 +162,8 @@ def gather_batch(x: torch.Tensor, cube: Cube) -> torch.Tensor:
     """
     q = cube.q
     blocks = _all_gather(x, cube.group, dim=0).chunk(q**3)  # q^3 x [batch/q^2, f/q]
-    rows = [[None] * q for _ in range(q * q)]
-    for rank in range(q**3):
-        coords = dict(zip(AXES, cube_coords(rank, q)))
-        rows[coords["weight"] * q + coords[cube.input_axis]][coords[cube.output_axis]] = blocks[rank]
-    return torch.cat([torch.cat(r, dim=-1) for r in rows], dim=0)  # [batch, features]
+    owners = block_owners(q, cube.is_swapped)["X"]
+    return torch.cat([torch.cat([blocks[r] for r in row], dim=-1) for row in owners], dim=0)  # [batch, features]
 
 
 def split_weight(a: torch.Tensor, cube: Cube) -> torch.Tensor:
@@ -146,8 +171,8 @@ def split_weight(a: torch.Tensor, cube: Cube) -> torch.Tensor:
     q = cube.q
     _check_divisible("in_features", a.shape[0], q, q)
     _check_divisible("out_features", a.shape[1], q * q, q)
-    col = cube.coord(cube.input_axis) * q + cube.coord("weight")
-    return a.chunk(q, dim=0)[cube.coord(cube.output_axis)].chunk(q * q, dim=1)[col].contiguous()
+    row, col = a_block(_rank_in(cube), q, cube.is_swapped)
+    return a.chunk(q, dim=0)[row].chunk(q * q, dim=1)[col].contiguous()
 
 
 def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:

@@ -168,3 +168,53 @@ def pipeline_schedule_figure(schedule: str = "1f1b", p: int = 4, m: int = 8, v: 
     return pipeline_gantt(timeline, title=f"{schedule}, p={p}, m={m}" + (f", v={v}" if v > 1 else "") +
                           f": bubble {float(timeline.bubble):.1%} (formula (p-1)/({'v' if v > 1 else ''}m+p-1) = "
                           f"{float(formula):.1%}), peak stored activations per rank {timeline.peak_activations}")
+
+
+# ---------------------------------------------------------------- lesson 07: 3D tensor parallelism
+
+def cube_blocks(q: int = 2, *, swapped: bool = False):
+    """The q x q x q cube of ranks (i, j, l), and which rank holds which block of the input
+    X (q*q x q blocks) and of the weight A (q x q*q blocks), from `parallel3d.block_owners`."""
+    from parakit import parallel3d
+
+    owners = parallel3d.block_owners(q, swapped)
+    fig = plt.figure(figsize=(12, 3.8))
+    ax = fig.add_subplot(1, 3, 1, projection="3d")
+    colours = plt.get_cmap("tab10" if q**3 <= 10 else "viridis", q**3)
+    for rank in range(q**3):
+        i, j, l = parallel3d.cube_coords(rank, q)
+        ax.scatter(j, l, i, s=260, color=colours(rank), depthshade=False)
+        ax.text(j, l, i, f"  {rank}", fontsize=9)
+    ax.set_xlabel("j (input)")
+    ax.set_ylabel("l (output)")
+    ax.set_zlabel("i (weight)")
+    ax.set_xticks(range(q)), ax.set_yticks(range(q)), ax.set_zticks(range(q))
+    ax.set_title(f"P = {q}^3 = {q**3} ranks: rank = i*{q * q} + j*{q} + l", fontsize=9)
+    for n, (name, grid) in enumerate(owners.items()):
+        ax = fig.add_subplot(1, 3, n + 2)
+        for r, row in enumerate(grid):
+            for c, rank in enumerate(row):
+                ax.add_patch(plt.Rectangle((c, r), 0.95, 0.95, color=colours(rank), alpha=0.75))
+                i, j, l = parallel3d.cube_coords(rank, q)
+                ax.text(c + 0.47, r + 0.47, f"rank {rank}\n({i},{j},{l})", ha="center", va="center", fontsize=8)
+        ax.set_xlim(0, len(grid[0]))
+        ax.set_ylim(len(grid), 0)
+        ax.set_axis_off()
+        shape = "[batch/q\u00b2, in/q]" if name == "X" else "[in/q, out/q\u00b2]"
+        ax.set_title(f"{name}: block held by rank (i,j,l), each {shape}", fontsize=9)
+    return fig
+
+
+def bytes_1d_vs_3d(ranks: Sequence[int], one_d: Sequence[float], three_d: Sequence[float], *, title: str, ax=None):
+    """Bytes per rank of 1D (Megatron) and 3D tensor parallelism against the number of ranks."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(ranks, one_d, "o-", color="#e76f51", label="1D: 2 all-reduces of the activations")
+    ax.plot(ranks, three_d, "s-", color="#264653", label="3D: 6 collectives, (q-1)/q^3 each")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks P")
+    ax.set_ylabel("bytes sent per rank")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return ax.figure

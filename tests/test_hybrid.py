@@ -2,9 +2,17 @@
 real process groups on gloo), and bad mesh sizes refused by name."""
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import REPO
 
 import parakit
 from parakit.mesh import Mesh, mesh_coords, mesh_groups, mesh_rank
@@ -77,3 +85,86 @@ def bad_mesh():
 def test_a_mesh_whose_product_is_not_the_world_size_is_refused_by_name():
     assert parakit.launch(bad_mesh, world_size=4) == [
         "mesh dp=2 x pp=2 x tp=2 = 8 ranks, but the world has 4: choose sizes whose product is 4"] * 4
+
+
+# ---------------------------------------------------------------- the hybrid trainer
+
+def run_trainer(argv):
+    from parakit import train
+    return train.train(train.parse_args(argv))
+
+
+TWO_NODE_MESH = ["--dp", "2", "--pp", "4", "--microbatches", "4"]
+SMALL = ["--steps", "5", "--batch", "8", "--seq", "8", "--hidden", "16", "--heads", "4", "--vocab", "32"]
+
+
+@pytest.fixture(scope="module")
+def one_process_losses():
+    [losses] = parakit.launch(run_trainer, SMALL, world_size=1)
+    return losses
+
+
+def test_dp2_pp2_trainer_matches_one_process_for_five_steps(one_process_losses):
+    results = parakit.launch(run_trainer, SMALL + ["--dp", "2", "--pp", "2"], world_size=4, timeout=240)
+    assert len(one_process_losses) == 5 and one_process_losses[-1] < one_process_losses[0]
+    for losses in results:  # every rank reports the same global loss
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one_process_losses), rtol=1e-5, atol=1e-5)
+
+
+def test_resume_from_a_checkpoint_gives_the_same_next_losses(tmp_path):
+    mesh = ["--dp", "2", "--pp", "2"]
+    straight = parakit.launch(run_trainer, SMALL + mesh, world_size=4, timeout=240)[0]
+    three = SMALL[:1] + ["3"] + SMALL[2:] + mesh
+    first = parakit.launch(run_trainer, three + ["--save", str(tmp_path / "ckpt")], world_size=4, timeout=240)[0]
+    two = SMALL[:1] + ["2"] + SMALL[2:] + mesh
+    resumed = parakit.launch(run_trainer, two + ["--resume", str(tmp_path / "ckpt")], world_size=4, timeout=240)[0]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"rank{r}.pt" for r in range(4)]
+    assert first + resumed == straight  # bit for bit: same data, weights and AdamW state
+
+
+def bad_batch():
+    try:
+        run_trainer(["--batch", "6", "--dp", "2", "--pp", "2", "--microbatches", "2"])
+    except ValueError as error:
+        return str(error)
+
+
+def test_a_batch_that_does_not_split_across_replicas_and_microbatches_is_refused():
+    assert set(parakit.launch(bad_batch, world_size=4)) == {
+        "batch 6 does not split into dp 2 x 2 micro-batches: pick a multiple of 4"}
+
+
+# ---------------------------------------------------------------- two torchrun "nodes" on this machine's loopback
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_nodes_of_four_processes_give_the_same_losses(tmp_path, one_process_losses):
+    port = free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "parakit-test",
+               "-m", "parakit.train", *TWO_NODE_MESH, *SMALL, "--backend", "gloo"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    logs = [open(tmp_path / f"node{n}.txt", "w+") for n in range(2)]  # files, not pipes: nothing blocks on a full pipe
+    nodes = [subprocess.Popen(command + (["--losses-to", str(tmp_path / "losses.json")] if n == 0 else []),
+                              cwd=tmp_path, env=env, stdout=logs[n], stderr=subprocess.STDOUT) for n in range(2)]
+    deadline = time.monotonic() + 300
+    try:  # a node that fails leaves the other waiting in the rendezvous: stop at the first failure
+        while any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
+            if any(node.returncode for node in nodes):
+                break
+            time.sleep(0.5)
+    finally:
+        for node in nodes:
+            node.kill()
+    outputs = [(tmp_path / f"node{n}.txt").read_text() for n in range(2)]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)
+    logged = [p for p in tmp_path.glob("losses.json")]
+    printed = [line for out in outputs for line in out.splitlines() if " loss " in line]
+    assert len(printed) == 5  # rank 0, on whichever node the rendezvous made it
+    losses = json.loads(logged[0].read_text()) if logged else None
+    losses = losses or [float(line.split()[-1]) for line in printed]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(one_process_losses), rtol=1e-5, atol=1e-5)

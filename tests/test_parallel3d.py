@@ -13,7 +13,7 @@ from torch import nn
 
 import parakit
 from parakit import CommLog
-from parakit.parallel3d import (ClassifierHead3D, Cube, LayerNorm3D, Linear3D, cube_coords, cube_groups,
+from parakit.parallel3d import (ClassifierHead3D, block_owners, Cube, LayerNorm3D, Linear3D, cube_coords, cube_groups,
                                 cube_rank, cube_side, gather_batch, linear3d_cost, split_batch)
 
 
@@ -51,6 +51,13 @@ def test_q3_groups_match_the_seed_description():
     assert mine["input"] == [cube_rank(1, j, 0, 3) for j in range(3)] == [9, 12, 15]
     assert mine["weight"] == [cube_rank(i, 2, 0, 3) for i in range(3)] == [6, 15, 24]
     assert mine["output"] == [cube_rank(1, 2, l, 3) for l in range(3)] == [15, 16, 17]
+
+
+def test_block_owners_at_q2_are_the_seeds_layout():
+    # the seed: X_ijl and A_lji on processor (i, j, l), X in 4 x 2 blocks and A in 2 x 4
+    assert block_owners(2) == {"X": [[0, 1], [2, 3], [4, 5], [6, 7]], "A": [[0, 4, 2, 6], [1, 5, 3, 7]]}
+    # the next layer (axes swapped) reads the output layout: Y_ijl is row block i*q+l, column block j
+    assert block_owners(2, swapped=True)["X"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 6, 9, 26])

@@ -1,0 +1,51 @@
+"""Lesson 07's fake students."""
+from pathlib import Path
+
+import panel
+from conftest import REPO
+
+from parakit import mesh, parallel3d
+
+
+def students(lesson: Path, solution: Path) -> list[panel.Student]:
+    """Lesson 07. The hard-coder's cube and mesh groups are tables of the visible cases, and
+    its forward and backward use the "input" and "output" axes by name, so they pass on the
+    first layer's cube and fail on the swapped one (each 0 on the hidden tests); the borrower
+    calls parakit's cube_groups, linear3d_forward, linear3d_backward and mesh_groups (each 0
+    by the tripwires); the kernel hangs in the cube groups and dies in the mesh groups."""
+    full = panel.full_solution(panel.load(lesson), panel.load(solution))
+    name, pts = lesson.name, panel.points(panel.load(lesson))
+    cubes = {q: {k[0]: v for k, v in parallel3d.cube_groups(q).items() if len(k) == 1} for q in (1, 2, 3)}
+    meshes = {s: mesh.mesh_groups(*s) for s in ((2, 2, 2), (1, 2, 4), (3, 1, 2))}
+    fixed_axes = [("cube.axis_group(cube.input_axis)", 'cube.axis_group("input")'),
+                  ("cube.axis_group(cube.output_axis)", 'cube.axis_group("output")')]
+    hardcoded = {
+        "cube_groups": f"def cube_groups(q):\n    return {cubes!r}[q]\n",
+        "mesh_groups": f"def mesh_groups(dp, pp, tp):\n    return {meshes!r}[(dp, pp, tp)]\n",
+        **{gid: _replace(_source(full, gid), fixed_axes) for gid in ("linear3d_forward", "linear3d_backward")},
+    }
+    borrowed = {
+        "cube_groups": "def cube_groups(q):\n    return {k[0]: v for k, v in p3d.cube_groups(q).items() if len(k) == 1}\n",
+        "linear3d_forward": "def linear3d_forward(x, a, cube):\n    return p3d.linear3d_forward(x, a, cube)\n",
+        "linear3d_backward": "def linear3d_backward(dy, x_il, a_lj, cube):\n"
+                             "    return p3d.linear3d_backward(dy, x_il, a_lj, cube)\n",
+        "mesh_groups": "def mesh_groups(dp, pp, tp):\n    return pmesh.mesh_groups(dp, pp, tp)\n",
+    }
+    return panel.standard_panel(
+        lesson, solution, hang_in="cube_groups", crash_in="mesh_groups",
+        hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0),
+        extra=[panel.Student("borrower", {name: panel.with_sources(full, borrowed)}, dict.fromkeys(pts, 0.0))])
+
+
+def _source(nb, grade_id: str) -> str:
+    return next(c.source for c in nb.cells if panel.nbgrader_meta(c).get("grade_id") == grade_id)
+
+
+def _replace(source: str, pairs) -> str:
+    for old, new in pairs:
+        assert old in source, f"the solution no longer contains {old!r}"
+        source = source.replace(old, new)
+    return source
+
+
+LESSON = panel.Lesson(REPO / "solutions" / "07_3d_parallelism.ipynb", students, timeout=60)
