@@ -177,8 +177,6 @@ def train(args) -> list[float]:
                           schedule=args.schedule, num_microbatches=args.microbatches)
         optimizer.step()
         losses.append(_global_loss(loss, mesh))
-        if mesh.rank == 0:
-            print(f"step {step} loss {losses[-1]:.8f}", flush=True)
     if args.save:
         _save(args.save, mine, optimizer, first + args.steps, mesh.rank)
     return losses
@@ -220,6 +218,8 @@ def main(argv=None) -> list[float]:
     dist.init_process_group(backend)
     try:
         losses = train(args)
+        if dist.get_rank() == 0:
+            print("\n".join(f"step {n} loss {loss:.8f}" for n, loss in enumerate(losses, 1)), flush=True)
         if args.losses_to and dist.get_rank() == 0:
             args.losses_to.write_text(json.dumps(losses))
         return losses
