@@ -1,0 +1,179 @@
+"""Column- and row-parallel linear layers and the blocks built from them (Megatron-LM).
+
+Y = XA with the weight A split across the t ranks of a tensor-parallel group:
+
+    ColumnParallelLinear  A = [A_1 ... A_t] by columns: rank i computes Y_i = X A_i
+                          ([..., out/t]); f before it, optional all-gather after it.
+    RowParallelLinear     A split by rows, X by its last dimension: rank i computes
+                          X_i A_i, and g (an all-reduce) sums them; the bias is added once.
+
+A column layer followed by a row layer needs no communication between them, so a parallel
+MLP (and self-attention, heads split across ranks) costs one all-reduce of the block's
+output forward and one of its input gradient backward. Each layer makes the full dense
+weight once, exactly as nn.Linear would from the same seed, and keeps its slice, so the
+sharded model computes what the dense one does. Every rank of the group must be seeded
+alike before building it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from parakit.tensor_parallel.mappings import (copy_to_region, gather_from_region, reduce_from_region,
+                                              scatter_to_region)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention",
+           "ParallelTransformerBlock", "tp_size_rank"]
+
+
+def tp_size_rank(group=None) -> tuple[int, int]:
+    """(t, this rank's index) in the tensor-parallel group (None: the world)."""
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _divisible(layer: str, name: str, value: int, t: int) -> None:
+    if value % t:
+        raise ValueError(f"{layer}: {name}={value} is not divisible by the tensor-parallel size {t}: "
+                         f"make {name} a multiple of {t} or use a tensor-parallel size that divides {value}")
+
+
+def _check_last(layer: str, x: torch.Tensor, expected: int, what: str) -> None:
+    if x.shape[-1] != expected:
+        raise ValueError(f"{layer}: the input's last dimension is {x.shape[-1]} but this rank expects {expected} "
+                         f"({what}); input shape {tuple(x.shape)}")
+
+
+def _dense_slice(dense: nn.Linear, dim: int, t: int, rank: int) -> tuple[nn.Parameter, nn.Parameter | None]:
+    """This rank's slice of a dense layer's weight along `dim` (0: out, 1: in), and of its bias
+    along out (dim 0) or the whole bias (dim 1)."""
+    weight = nn.Parameter(dense.weight.detach().chunk(t, dim)[rank].clone())
+    if dense.bias is None:
+        return weight, None
+    bias = dense.bias.detach().chunk(t, 0)[rank] if dim == 0 else dense.bias.detach()
+    return weight, nn.Parameter(bias.clone())
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T + b with A's out_features split across the group: weight [out/t, in], bias [out/t].
+
+    Input [..., in] replicated on every rank; output [..., out/t] (or [..., out] with
+    gather_output=True, one all-gather of it). Backward all-reduces dL/dx (f).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
+                 group=None):
+        super().__init__()
+        t, rank = tp_size_rank(group)
+        _divisible("ColumnParallelLinear", "out_features", out_features, t)
+        self.in_features, self.out_features, self.gather_output, self.group = in_features, out_features, gather_output, group
+        self.weight, self.bias = _dense_slice(nn.Linear(in_features, out_features, bias=bias), 0, t, rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_last("ColumnParallelLinear", x, self.in_features, "in_features")
+        y = F.linear(copy_to_region(x, self.group), self.weight, self.bias)  # [..., out/t]
+        return gather_from_region(y, self.group) if self.gather_output else y  # [..., out] if gathered
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}/t, gather_output={self.gather_output}"
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_i x_i A_i^T + b with A's in_features split across the group: weight [out, in/t],
+    bias [out] replicated and added once, after the all-reduce.
+
+    Input [..., in/t] (input_is_parallel=True) or [..., in] (this rank keeps its chunk);
+    output [..., out] on every rank, one all-reduce of it (g). Backward sends nothing,
+    except an all-gather of dL/dx when the input was not parallel.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
+                 group=None):
+        super().__init__()
+        t, rank = tp_size_rank(group)
+        _divisible("RowParallelLinear", "in_features", in_features, t)
+        self.in_features, self.out_features, self.input_is_parallel, self.group = in_features, out_features, input_is_parallel, group
+        self.weight, self.bias = _dense_slice(nn.Linear(in_features, out_features, bias=bias), 1, t, rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_is_parallel:
+            _check_last("RowParallelLinear", x, self.weight.shape[1], f"in_features/t = {self.in_features}/"
+                        f"{self.in_features // self.weight.shape[1]}, input_is_parallel=True")
+        else:
+            _check_last("RowParallelLinear", x, self.in_features, "in_features, input_is_parallel=False")
+            x = scatter_to_region(x, self.group)  # [..., in/t]
+        y = reduce_from_region(F.linear(x, self.weight), self.group)  # [..., out]
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}/t, out_features={self.out_features}, input_is_parallel={self.input_is_parallel}"
+
+
+class ParallelMLP(nn.Module):
+    """Column (hidden -> ffn/t), GELU, row (ffn/t -> hidden): [..., hidden] -> [..., hidden].
+    One all-reduce of the output forward, one of the input gradient backward."""
+
+    def __init__(self, hidden: int, ffn_hidden: int | None = None, group=None):
+        super().__init__()
+        ffn_hidden = ffn_hidden or 4 * hidden
+        self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, gather_output=False, group=group)
+        self.fc2 = RowParallelLinear(ffn_hidden, hidden, input_is_parallel=True, group=group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))  # fc1: [..., ffn/t], fc2: [..., hidden]
+
+
+class ParallelSelfAttention(nn.Module):
+    """Multi-head self-attention with heads/t heads per rank: [batch, seq, hidden] -> same.
+
+    qkv is one column-parallel layer whose output features run head by head, [q_h, k_h, v_h]
+    for h = 0..heads-1, so rank i's column slice holds whole heads; proj is row-parallel.
+    Attention dropout is inside the region: it draws from `rng` (an RNGTracker), a stream
+    of its own on each rank, as a dense model draws different masks for different heads.
+    """
+
+    def __init__(self, hidden: int, heads: int, causal: bool = True, dropout: float = 0.0, group=None, rng=None):
+        super().__init__()
+        t, _ = tp_size_rank(group)
+        if hidden % heads:
+            raise ValueError(f"ParallelSelfAttention: hidden={hidden} is not divisible by heads={heads}: "
+                             f"make hidden a multiple of heads")
+        _divisible("ParallelSelfAttention", "heads", heads, t)
+        if dropout and rng is None:
+            raise ValueError(f"ParallelSelfAttention: dropout={dropout} inside a tensor-parallel region needs "
+                             f"rng=RNGTracker(seed, group), so that each rank draws its own mask")
+        self.heads, self.causal, self.dropout, self.rng = heads // t, causal, dropout, rng  # heads on this rank
+        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, gather_output=False, group=group)
+        self.proj = RowParallelLinear(hidden, hidden, input_is_parallel=True, group=group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, self.heads, 3, -1)  # [batch, seq, heads/t, 3, head_dim]
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [batch, heads/t, seq, head_dim]
+        p = self.dropout if self.training else 0.0
+        if p:
+            with self.rng.fork():
+                att = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
+        else:
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.proj(att.transpose(1, 2).reshape(b, s, -1))  # [batch, seq, hidden/t] -> [batch, seq, hidden]
+
+
+class ParallelTransformerBlock(nn.Module):
+    """Pre-norm block x + attn(ln(x)), then x + mlp(ln(x)): two all-reduces forward, two
+    backward. Layer norms and the residual dropout run outside the tensor-parallel regions,
+    replicated: every rank draws the same residual-dropout mask from the default generator."""
+
+    def __init__(self, hidden: int, heads: int, ffn_hidden: int | None = None, causal: bool = True,
+                 dropout: float = 0.0, group=None, rng=None):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden)
+        self.attn = ParallelSelfAttention(hidden, heads, causal, dropout, group, rng)
+        self.norm2 = nn.LayerNorm(hidden)
+        self.mlp = ParallelMLP(hidden, ffn_hidden, group)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [batch, seq, hidden]
+        x = x + self.drop(self.attn(self.norm1(x)))
+        return x + self.drop(self.mlp(self.norm2(x)))
