@@ -1,0 +1,313 @@
+"""Distributed data parallel from scratch, in the order lesson 02 builds it.
+
+    model = BucketedDDP(net, bucket_size_mb=25.0)     # or NaiveDDP, FlatDDP, OverlapDDP
+    loss_fn(model(x), y).backward()
+    model.finish_gradient_synchronization()          # after backward, before optimizer.step()
+    optimizer.step()
+
+Every wrapper broadcasts the parameters (frozen ones too) and buffers of rank 0 of its
+process group when it wraps, broadcasts the buffers again before each forward (as
+torch's DDP does by default), averages the gradients over the group, and accumulates
+locally inside `no_sync()`: the next synchronised backward then gives the gradients of one
+big batch. They differ in when and how the gradients travel:
+
+- `NaiveDDP`: a blocking all-reduce per parameter, from its gradient hook;
+- `FlatDDP`: one all-reduce of all gradients flattened, after backward;
+- `OverlapDDP`: an async all-reduce per parameter as soon as its gradient is accumulated;
+- `BucketedDDP`: parameters in reverse order grouped into buckets of `bucket_size_mb`; a
+  bucket's async all-reduce starts when its last gradient is ready, buckets in order.
+
+A parameter shared by several modules (tied weights) is one tensor and is reduced once. A
+parameter that gets no gradient this step does not stall anything: FlatDDP and BucketedDDP
+reduce it as zeros at `finish_gradient_synchronization()`, so every rank issues the same
+all-reduces in the same order even when ranks disagree on which parameters were used; its
+`.grad` stays None where no rank gave it a gradient, and where some ranks did, every rank
+gets the average. NaiveDDP and OverlapDDP reduce only parameters with a gradient, so ranks
+must agree on which parameters they use (else their all-reduces pair up wrongly).
+Forgetting `finish_gradient_synchronization()` raises at the next forward or backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["NaiveDDP", "FlatDDP", "OverlapDDP", "BucketedDDP", "assign_buckets", "allreduce_hook",
+           "compress_hook", "timed_hook"]
+
+_UNFINISHED = ("the gradients of the last backward were not synchronised: call "
+               "model.finish_gradient_synchronization() after loss.backward() and before optimizer.step()")
+
+
+class _DataParallel(nn.Module):
+    """What the four wrappers share: checks, broadcasts, gradient hooks, no_sync."""
+
+    def __init__(self, module: nn.Module, process_group=None):
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"{type(self).__name__} needs a process group: call dist.init_process_group() "
+                               "first (parakit.launch and torchrun do it for you)")
+        if not list(module.parameters()):
+            raise ValueError(f"{type(module).__name__} has no parameters: there are no gradients to synchronise")
+        self.module = module
+        self.process_group = dist.group.WORLD if process_group is None else process_group
+        self.world_size = dist.get_world_size(self.process_group)
+        _check_same_parameters(module, self.process_group)
+        self._broadcast(list(module.parameters()) + list(module.buffers()))
+        self._params = [p for p in module.parameters() if p.requires_grad]  # parameters() yields a tied one once
+        self._ready: set[int] = set()  # ids of the parameters whose hook fired since the last finish
+        self._sync = True
+        for param in self._params:
+            param.register_post_accumulate_grad_hook(self._grad_ready)
+
+    @torch.no_grad()
+    def _broadcast(self, tensors) -> None:
+        """Sends each tensor (its full bytes) from rank 0 of the group to every other rank."""
+        src = dist.get_global_rank(self.process_group, 0)
+        for tensor in tensors:
+            dist.broadcast(tensor.data, src=src, group=self.process_group)
+
+    def forward(self, *args, **kwargs):
+        if self._ready:
+            raise RuntimeError(_UNFINISHED)
+        self._broadcast(list(self.module.buffers()))
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally, with no communication."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        if id(param) in self._ready:
+            raise RuntimeError(_UNFINISHED)
+        self._ready.add(id(param))
+        self._on_grad_ready(param)
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        """Called once per synchronised backward for each parameter that got a gradient."""
+
+    def finish_gradient_synchronization(self) -> None:
+        """Completes the averaging; afterwards every rank holds the same gradients."""
+        self._ready.clear()
+
+
+def _check_same_parameters(module: nn.Module, group) -> None:
+    """Sends the names, shapes and dtypes of the parameters (a few bytes each) to every rank,
+    and raises on every rank if they differ."""
+    mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()]
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        for (name, shape, dtype), (name1, shape1, dtype1) in zip(first, theirs):
+            if (name, shape, dtype) != (name1, shape1, dtype1):
+                raise ValueError(f"parameter {name!r} is {shape} {dtype} on rank 0 but {name1!r} is {shape1} "
+                                 f"{dtype1} on rank {rank}: every rank must wrap the same model")
+        if len(theirs) != len(first):
+            raise ValueError(f"rank 0 has {len(first)} parameters but rank {rank} has {len(theirs)}: "
+                             "every rank must wrap the same model")
+
+
+# ---------------------------------------------------------------- 1. naive
+
+
+class NaiveDDP(_DataParallel):
+    """One blocking all-reduce per parameter, issued from its gradient hook."""
+
+    def _on_grad_ready(self, param):
+        """Sends: an all-reduce of the parameter's gradient (numel x itemsize bytes) over the group."""
+        dist.all_reduce(param.grad, group=self.process_group)
+        param.grad.div_(self.world_size)
+
+
+# ---------------------------------------------------------------- communication hooks for buckets
+
+
+def allreduce_hook(flat: torch.Tensor, group) -> torch.futures.Future:
+    """Sends: an async all-reduce (sum) of `flat` (numel x itemsize bytes) over `group`.
+    Returns a future whose value is the reduced `flat`."""
+    work = dist.all_reduce(flat, group=group, async_op=True)
+    return work.get_future().then(lambda _: flat)
+
+
+def compress_hook(dtype: torch.dtype):
+    """A hook that all-reduces a copy of the bucket cast to `dtype` (torch.float16 or
+    torch.bfloat16: half the bytes of float32) and writes the result back into the bucket."""
+
+    def hook(flat: torch.Tensor, group) -> torch.futures.Future:
+        """Sends: an async all-reduce of `flat` cast to the low dtype (numel x 2 bytes)."""
+        low = flat.to(dtype)
+        work = dist.all_reduce(low, group=group, async_op=True)
+        return work.get_future().then(lambda _: flat.copy_(low))
+
+    hook.__name__ = hook.__qualname__ = f"{str(dtype).removeprefix('torch.')}_compress_hook"
+    return hook
+
+
+def timed_hook(hook, events: list):
+    """`hook`, timed: each reduction appends (start, end) in time.perf_counter() seconds to
+    `events`, the end taken when the reduction completes (in the communication thread)."""
+
+    def timed(flat, group):
+        start = time.perf_counter()
+
+        def done(future):
+            events.append((start, time.perf_counter()))
+            return future.value()
+
+        return hook(flat, group).then(done)
+
+    return timed
+
+
+class _Bucket:
+    """Parameters whose gradients travel together in one flat buffer."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        offsets = torch.tensor([0] + [p.numel() for p in params]).cumsum(0).tolist()
+        self.slices = [slice(a, b) for a, b in zip(offsets, offsets[1:])]
+        self.filled: set[int] = set()
+        self.future = None
+
+    def fill(self, index: int) -> None:
+        """Copy the gradient of params[index] into its place in the buffer."""
+        self.buffer[self.slices[index]].copy_(self.params[index].grad.reshape(-1))  # [numel]
+        self.filled.add(index)
+
+    @property
+    def full(self) -> bool:
+        return len(self.filled) == len(self.params)
+
+    def launch(self, hook, group, world_size: int) -> None:
+        """Sends: what `hook` sends for the whole buffer (by default an all-reduce of its bytes).
+        Parameters whose hook did not fire go in as they are: their gradient or zeros."""
+        for index, param in enumerate(self.params):
+            if index not in self.filled:
+                if param.grad is None:
+                    self.buffer[self.slices[index]].zero_()
+                else:
+                    self.fill(index)
+        self.buffer.div_(world_size)
+        self.future = hook(self.buffer, group)
+
+    @torch.no_grad()
+    def unpack(self) -> None:
+        """Wait for the reduction and copy the averages back into the gradients."""
+        reduced = self.future.wait()
+        for param, where in zip(self.params, self.slices):
+            average = reduced[where].view_as(param)
+            if param.grad is not None:
+                param.grad.copy_(average)
+            elif average.any():  # other ranks gave it a gradient: keep the replicas equal
+                param.grad = average.clone()
+        self.filled.clear()
+        self.future = None
+
+
+# ---------------------------------------------------------------- 2. flat
+
+
+class FlatDDP(_DataParallel):
+    """One all-reduce of every gradient flattened into one buffer, after backward."""
+
+    def __init__(self, module: nn.Module, process_group=None):
+        super().__init__(module, process_group)
+        self._bucket = _Bucket(self._params) if self._params else None
+
+    def finish_gradient_synchronization(self):
+        """Sends: one all-reduce of all gradients (sum of numel x itemsize bytes) over the group."""
+        if self._ready and self._bucket is not None:
+            self._bucket.launch(allreduce_hook, self.process_group, self.world_size)
+            self._bucket.unpack()
+        super().finish_gradient_synchronization()
+
+
+# ---------------------------------------------------------------- 3. overlap
+
+
+class OverlapDDP(_DataParallel):
+    """An async all-reduce per parameter as soon as its gradient is accumulated."""
+
+    def __init__(self, module: nn.Module, process_group=None):
+        super().__init__(module, process_group)
+        self._pending: list[tuple[nn.Parameter, dist.Work]] = []
+
+    def _on_grad_ready(self, param):
+        """Sends: an async all-reduce of the parameter's gradient (numel x itemsize bytes)."""
+        self._pending.append((param, dist.all_reduce(param.grad, group=self.process_group, async_op=True)))
+
+    def finish_gradient_synchronization(self):
+        for param, work in self._pending:
+            work.wait()
+            param.grad.div_(self.world_size)
+        self._pending.clear()
+        super().finish_gradient_synchronization()
+
+
+# ---------------------------------------------------------------- 4. buckets + overlap
+
+
+def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float | None) -> list[list[nn.Parameter]]:
+    """Group `params` in reverse order (the order backward produces their gradients) into
+    buckets of at most `bucket_size_mb` MiB; a bigger parameter gets a bucket of its own, a
+    change of dtype starts a new one. None: one bucket per dtype."""
+    cap = float("inf") if bucket_size_mb is None else bucket_size_mb * 2**20
+    buckets, size = [], 0
+    for param in reversed(params):
+        nbytes = param.numel() * param.element_size()
+        if not buckets or size + nbytes > cap and size > 0 or param.dtype != buckets[-1][0].dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(param)
+        size += nbytes
+    return buckets
+
+
+class BucketedDDP(_DataParallel):
+    """Buckets of gradients, each all-reduced asynchronously as soon as it is full."""
+
+    def __init__(self, module: nn.Module, bucket_size_mb: float | None = 25.0, process_group=None):
+        if bucket_size_mb is not None and not bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb must be > 0 (or None for one bucket), got {bucket_size_mb}")
+        super().__init__(module, process_group)
+        self.buckets = [_Bucket(params) for params in assign_buckets(self._params, bucket_size_mb)]
+        self._place = {id(p): (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
+        self._next = 0  # the next bucket to launch: buckets go in order, the same on every rank
+        self.comm_hook = allreduce_hook
+
+    def register_comm_hook(self, hook) -> None:
+        """Reduce each bucket with `hook(flat, group) -> Future[Tensor]` (see allreduce_hook)."""
+        self.comm_hook = hook
+
+    def _on_grad_ready(self, param):
+        b, index = self._place[id(param)]
+        self.buckets[b].fill(index)
+        while self._next < len(self.buckets) and self.buckets[self._next].full:
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        """Sends: one all-reduce of the bucket's bytes (or what the comm hook sends)."""
+        self.buckets[self._next].launch(self.comm_hook, self.process_group, self.world_size)
+        self._next += 1
+
+    def finish_gradient_synchronization(self):
+        """Launches the buckets whose parameters did not all get a gradient, then waits for all."""
+        if self._ready:
+            while self._next < len(self.buckets):
+                self._launch_next()
+            for bucket in self.buckets:
+                bucket.unpack()
+            self._next = 0
+        super().finish_gradient_synchronization()
