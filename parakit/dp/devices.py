@@ -1,0 +1,183 @@
+"""Devices for DataParallel, and the memory each one holds.
+
+Devices are CUDA GPUs where there are enough of them. On CPU they are *logical*:
+`torch.device("cpu", i)` for i = 0..k-1, all backed by the CPU; which logical device a
+tensor lives on is known to the `MemoryMeter` measuring, which counts every storage on
+the device it was made on (see MemoryMeter). Without a meter, CPU tensors live on the
+host, and copies between logical devices are plain copies.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_local = threading.local()  # per thread: .meter (the MemoryMeter measuring), .target (a copy's device)
+
+
+def resolve_devices(device_ids: Sequence[int | torch.device] | None) -> list[torch.device]:
+    """CUDA devices when there are enough GPUs, else logical devices backed by the CPU
+    (torch.device("cpu", i): the index names the logical device). A torch.device is kept
+    as given, so torch.device("cpu", i) asks for logical devices on a GPU machine too."""
+    if device_ids is None:
+        device_ids = list(range(max(torch.cuda.device_count(), 1)))
+    device_ids = list(device_ids)
+    if not device_ids:
+        raise ValueError("device_ids is empty: pass at least one device id, e.g. device_ids=[0, 1]")
+    if all(isinstance(d, torch.device) for d in device_ids):
+        return device_ids
+    ids = [d.index if isinstance(d, torch.device) else d for d in device_ids]
+    if torch.cuda.is_available() and max(ids) < torch.cuda.device_count():
+        return [torch.device("cuda", i) for i in ids]
+    return [torch.device("cpu", i) for i in ids]
+
+
+def where(tensor: torch.Tensor) -> torch.device | None:
+    """The device a tensor lives on: its CUDA device, or the logical device the measuring
+    MemoryMeter placed it on (None when no meter knows it: host memory)."""
+    if tensor.is_cuda:
+        return tensor.device
+    meter = current_meter()
+    index = meter.device_of(tensor) if meter else None
+    return None if index is None else torch.device("cpu", index)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`: itself (a view) if it is there already, else a copy made there."""
+    if where(tensor) == device:
+        return tensor.view_as(tensor)
+    if device.type == "cuda":
+        return tensor.to(device, copy=True)
+    with copying_to(device.index):
+        return tensor.clone(memory_format=torch.contiguous_format)
+
+
+def current_meter() -> "MemoryMeter | None":
+    """The MemoryMeter measuring in this thread, if any."""
+    return getattr(_local, "meter", None)
+
+
+@contextlib.contextmanager
+def copying_to(index: int):
+    """Tensors made in this block (by a copy) land on logical device `index`."""
+    _local.target = index
+    try:
+        yield
+    finally:
+        _local.target = None
+
+
+# ------------------------------------------------------------------------- memory per device
+
+class MemoryMeter:
+    """Peak bytes per device while the `with` block runs, indexed like `device_ids`.
+
+    On CUDA devices: torch.cuda.max_memory_allocated (peaks reset on entry). On logical CPU
+    devices: every tensor an operator returns in this thread, and in parallel_apply's
+    threads, is placed on a device (the device of a copy's destination; else of its first
+    input that has one; else the thread's current device, 0 in the caller's thread) and
+    its storage counted there until the storage dies. Views share their storage and count
+    once. Tensors made before the block count once `place`d (e.g. the parameters).
+    """
+
+    def __init__(self, device_ids: Sequence[int | torch.device] | None = None):
+        self.devices = resolve_devices(device_ids)
+        self.cuda = self.devices[0].type == "cuda"
+        self.live = {d.index: 0 for d in self.devices}
+        self.peak = dict(self.live)
+        self._storages: dict[int, tuple[int, int]] = {}  # storage id -> (device index, bytes)
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "MemoryMeter":
+        if self.cuda:
+            for d in self.devices:
+                torch.cuda.synchronize(d)
+                torch.cuda.reset_peak_memory_stats(d)
+        self._context = on_device(self.devices[0], self)
+        self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._context.__exit__(*exc)
+        if self.cuda:
+            for d in self.devices:
+                torch.cuda.synchronize(d)
+                self.peak[d.index] = torch.cuda.max_memory_allocated(d)
+
+    def peaks(self) -> list[int]:
+        """Peak bytes of each device, in device order."""
+        return [self.peak[d.index] for d in self.devices]
+
+    def place(self, tensors, device_index: int) -> None:
+        """Count these tensors' storages on a device (once; a storage already placed stays)."""
+        for t in tree_leaves(tensors):
+            if isinstance(t, torch.Tensor) and not t.is_cuda and t.device.type == "cpu":
+                self._count(t.untyped_storage(), device_index)
+
+    def device_of(self, tensor: torch.Tensor) -> int | None:
+        entry = self._storages.get(tensor.untyped_storage()._cdata)
+        return entry[0] if entry else None
+
+    def _count(self, storage, index: int) -> None:
+        with self._lock:
+            key = storage._cdata
+            if key in self._storages:
+                return
+            nbytes = storage.nbytes()
+            self._storages[key] = (index, nbytes)
+            self.live[index] += nbytes
+            self.peak[index] = max(self.peak[index], self.live[index])
+        weakref.finalize(storage, self._release, key)
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            index, nbytes = self._storages.pop(key)
+            self.live[index] -= nbytes
+
+
+class _Attribute(TorchDispatchMode):
+    """Places every operator's output tensors with the meter (see MemoryMeter)."""
+
+    def __init__(self, meter: MemoryMeter, device_index: int):
+        super().__init__()
+        self.meter, self.device_index = meter, device_index
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        index = getattr(_local, "target", None)
+        if index is None:
+            known = [self.meter.device_of(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            index = next((k for k in known if k is not None), self.device_index)
+        self.meter.place(out, index)
+        return out
+
+
+class on_device:
+    """In this thread: `device` is current (torch.cuda.device on GPUs) and `meter`, if
+    any, measures (its dispatch mode is active)."""
+
+    def __init__(self, device: torch.device, meter: MemoryMeter | None):
+        self.device, self.meter = device, meter
+
+    def __enter__(self):
+        self.saved = getattr(_local, "meter", None), getattr(_local, "target", None)
+        _local.meter, _local.target = self.meter, None
+        self.contexts = []
+        if self.device.type == "cuda":
+            self.contexts.append(torch.cuda.device(self.device))
+        elif self.meter is not None:
+            self.contexts.append(_Attribute(self.meter, self.device.index))
+        for c in self.contexts:
+            c.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for c in reversed(self.contexts):
+            c.__exit__(*exc)
+        _local.meter, _local.target = self.saved
+
