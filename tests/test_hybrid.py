@@ -94,7 +94,7 @@ def run_trainer(argv):
     return train.train(train.parse_args(argv))
 
 
-TWO_NODE_MESH = ["--dp", "2", "--pp", "4", "--microbatches", "4"]
+TWO_NODE_MESH = ["--dp", "2", "--pp", "2", "--tp", "2"]
 SMALL = ["--steps", "5", "--batch", "8", "--seq", "8", "--hidden", "16", "--heads", "4", "--vocab", "32"]
 
 
@@ -104,15 +104,15 @@ def one_process_losses():
     return losses
 
 
-def test_dp2_pp2_trainer_matches_one_process_for_five_steps(one_process_losses):
-    results = parakit.launch(run_trainer, SMALL + ["--dp", "2", "--pp", "2"], world_size=4, timeout=240)
+def test_dp2_pp2_tp2_trainer_matches_one_process_for_five_steps(one_process_losses):
+    results = parakit.launch(run_trainer, SMALL + ["--dp", "2", "--pp", "2", "--tp", "2"], world_size=8, timeout=300)
     assert len(one_process_losses) == 5 and one_process_losses[-1] < one_process_losses[0]
     for losses in results:  # every rank reports the same global loss
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(one_process_losses), rtol=1e-5, atol=1e-5)
 
 
 def test_resume_from_a_checkpoint_gives_the_same_next_losses(tmp_path):
-    mesh = ["--dp", "2", "--pp", "2"]
+    mesh = ["--pp", "2", "--tp", "2"]  # tensor-parallel shards and pipeline stages, each rank its own file
     straight = parakit.launch(run_trainer, SMALL + mesh, world_size=4, timeout=240)[0]
     three = SMALL[:1] + ["3"] + SMALL[2:] + mesh
     first = parakit.launch(run_trainer, three + ["--save", str(tmp_path / "ckpt")], world_size=4, timeout=240)[0]
