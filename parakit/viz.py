@@ -218,3 +218,110 @@ def bytes_1d_vs_3d(ranks: Sequence[int], one_d: Sequence[float], three_d: Sequen
     ax.set_title(title)
     ax.legend(fontsize=8)
     return ax.figure
+
+
+# ---------------------------------------------------------------- lesson 01: DataParallel
+
+DP_STEPS = [  # (step, what device 0 does, what every other device i does)
+    ("scatter inputs", "keeps x[{rows}]", "receives x[{rows}]"),
+    ("replicate model", "holds the parameters", "receives a copy of them"),
+    ("parallel forward", "replica 0 on x[{rows}]", "replica {i} on x[{rows}]"),
+    ("gather outputs", "receives all outputs", "sends its outputs"),
+    ("loss", "loss on the whole batch", ""),
+    ("backward", "grad of outputs[{rows}]", "receives grad of outputs[{rows}]"),
+    ("reduce gradients", "sums every replica's grads", "sends its grads"),
+    ("update", "optimizer.step()", ""),
+]
+
+
+def dp_flow(chunk_sizes: Sequence[int]):
+    """One nn.DataParallel step (seed 003) on len(chunk_sizes) devices, row by row: what
+    each device does with the rows `chunk_sizes` gives it. Device 0's extra work (gather,
+    loss, reduce, update) is orange; idle cells are blank."""
+    n, starts = len(chunk_sizes), [sum(chunk_sizes[:i]) for i in range(len(chunk_sizes))]
+    fig, ax = plt.subplots(figsize=(2.6 * n + 1.8, 0.5 * len(DP_STEPS) + 1.0))
+    for row, (step, first, other) in enumerate(DP_STEPS):
+        for i in range(n):
+            text = (first if i == 0 else other).format(i=i, rows=f"{starts[i]}:{starts[i] + chunk_sizes[i]}")
+            if not text or not chunk_sizes[i] and "{rows}" in (first if i == 0 else other):
+                continue
+            extra = i == 0 and step in ("gather outputs", "loss", "reduce gradients", "update")
+            ax.add_patch(plt.Rectangle((i, row), 0.95, 0.88, color="#e76f51" if extra else "#8ab17d"))
+            ax.text(i + 0.47, row + 0.44, text, ha="center", va="center", fontsize=8)
+    ax.set_xlim(0, n)
+    ax.set_ylim(len(DP_STEPS), 0)
+    ax.set_xticks([i + 0.47 for i in range(n)], [f"device {i}\n{chunk_sizes[i]} rows" for i in range(n)])
+    ax.set_yticks([r + 0.44 for r in range(len(DP_STEPS))], [s for s, _, _ in DP_STEPS])
+    ax.set_title(f"one DataParallel step on {n} devices: one process, one thread per replica")
+    ax.tick_params(length=0)
+    for side in ("top", "right", "bottom", "left"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def memory_bars(peaks: dict[str, Sequence[int]], *, title: str, ax=None):
+    """Measured peak memory per device (KiB), one group of bars per device, one bar per
+    variant (e.g. default, balanced, loss in forward); each bar labelled with its value."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.4))
+    n, width = len(next(iter(peaks.values()))), 0.8 / len(peaks)
+    colours = ["#264653", "#2a9d8f", "#e9c46a", "#e76f51"]
+    for k, (name, values) in enumerate(peaks.items()):
+        xs = [i + (k - (len(peaks) - 1) / 2) * width for i in range(n)]
+        bars = ax.bar(xs, [v / 1024 for v in values], width=width, color=colours[k % len(colours)], label=name)
+        ax.bar_label(bars, [f"{v / 1024:,.0f}" for v in values], fontsize=7)
+    ax.set_xticks(range(n), [f"device {i}" for i in range(n)])
+    ax.set_ylabel("peak KiB")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    return ax.figure
+
+
+# ---------------------------------------------------------------- lesson 02: DDP
+
+
+def ddp_timeline(runs: dict[str, dict], *, title: str = "", ax=None):
+    """Measured time lines of DDP steps on one rank, one row group per run: `runs` maps a
+    name to {"backward": (start, end), "all_reduce": [(start, end), ...]} in ms from the
+    start of backward. Backward is one bar, each bucket's all-reduce a bar on its own lane."""
+    rows = sum(1 + len(run["all_reduce"]) for run in runs.values())
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 0.32 * rows + 1.4))
+    labels, row = [], 0
+    for name, run in runs.items():
+        start, end = run["backward"]
+        ax.barh(row, end - start, left=start, height=0.8, color="#264653")
+        labels.append(f"{name}: backward")
+        for k, (a, b) in enumerate(run["all_reduce"]):
+            ax.barh(row + 1 + k, max(b - a, 0.02), left=a, height=0.8, color="#e76f51")
+            labels.append(f"all-reduce {k}" if len(run["all_reduce"]) > 1 else "all-reduce")
+        row += 1 + len(run["all_reduce"])
+        ax.axhline(row - 0.5, color="#cccccc", linewidth=0.8)
+    ax.set_yticks(range(rows), labels, fontsize=8)
+    ax.set_ylim(rows - 0.5, -0.5)
+    ax.set_xlabel("ms from the start of backward")
+    ax.set_title(title or "backward compute (dark) and all-reduces (orange), rank 0", fontsize=10)
+    return ax.figure
+
+
+def ddp_bucket_sweep(labels: Sequence[str], step_ms: Sequence[float], buckets: Sequence[int], *,
+                     reference_ms: float | None = None, title: str = "", ax=None):
+    """Measured step time (bars) and number of buckets (dots, right axis) per bucket size;
+    a dashed line at `reference_ms` (torch's DDP on the same model) when given."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.2))
+    positions = range(len(labels))
+    ax.bar(positions, step_ms, width=0.6, color="#264653", label="step time")
+    if reference_ms is not None:
+        ax.axhline(reference_ms, color="#2a9d8f", linestyle="--", label="torch DDP")
+    ax.set_xticks(list(positions), list(labels))
+    ax.set_xlabel("bucket_size_mb")
+    ax.set_ylabel("ms per step (median)")
+    counts = ax.twinx()
+    counts.plot(positions, buckets, "o", color="#e76f51", markersize=8)
+    counts.set_ylabel("buckets = all-reduces per step", color="#e76f51")
+    counts.set_ylim(0, max(buckets) * 1.15)
+    ax.legend(loc="upper center", fontsize=8)
+    ax.set_title(title, fontsize=10)
+    return ax.figure

@@ -131,15 +131,17 @@ def test_meter_counts_a_storage_once_for_its_views_and_frees_it_when_it_dies():
     del y, z
 
 
-def test_forward_memory_per_device_is_exact():
+@pytest.mark.parametrize("gpu0_bsz", [8, 0])
+def test_forward_memory_per_device_is_exact(gpu0_bsz):
     """One bias-free linear layer, forward only, bytes counted by hand: device 0 holds the
     weight, the input (its chunk is a view), its chunk's output and the gathered output;
-    device i a copy of the weight, a copy of its input chunk and its output chunk."""
+    device i a copy of the weight, a copy of its input chunk and its output chunk. With
+    gpu0_bsz=0, device 0 runs no replica."""
     layer, x = nn.Linear(D, V, bias=False), torch.randn(B, D)
-    sizes = dp.balanced_chunk_sizes(B, 8, 3)                  # [8, 20, 20]
+    sizes = dp.balanced_chunk_sizes(B, gpu0_bsz, 3)                  # [8, 20, 20] or [0, 24, 24]
     with dp.MemoryMeter([0, 1, 2]) as meter:
         meter.place([layer.weight, x], 0)
-        out = dp.BalancedDataParallel(8, layer, [0, 1, 2])(x)
+        out = dp.BalancedDataParallel(gpu0_bsz, layer, [0, 1, 2])(x)
     weight, row_in, row_out = 4 * D * V, 4 * D, 4 * V
     assert meter.peaks() == [weight + B * row_in + sizes[0] * row_out + B * row_out,
                              weight + sizes[1] * (row_in + row_out), weight + sizes[2] * (row_in + row_out)]

@@ -94,8 +94,7 @@ class Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, devices, *tensors):
         ctx.sources, ctx.count = [where(t) or devices[0] for t in tensors], len(tensors)
-        return tuple(to_device(t, d) if i else t.view_as(t)  # the module lives on devices[0]
-                     for i, d in enumerate(devices) for t in tensors)
+        return tuple(to_device(t, d) for d in devices for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
