@@ -7,7 +7,7 @@ Measured in this run:
     Linear3D on 8 ranks (q = 2; the median over ranks of the median of --repeats steps) and
     torch.nn.Linear on one process, their time ratio, the largest difference in output and
     input gradient, and the bytes rank 0 sent against the seed's table (linear3d_cost);
-  - the trainer (parakit.train) for 5 steps on dp=2 x pp=2 (4 ranks) against one process:
+  - the trainer (parakit.train) for 5 steps on dp=2 x pp=2 x tp=2 (8 ranks) against one process:
     the largest loss difference and the time ratio.
 The issue's bars are printed with PASS or FAIL; nothing is asserted. On a 2-core CPU the
 times say how much the collectives cost, not what a GPU box would show.
@@ -40,7 +40,7 @@ def mlp_step(repeats: int, parallel: bool):
         dense[0].bias, dense[2].bias = None, None
         model = dense
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):  # the first step warms up and is not counted
         leaf = x.clone().requires_grad_()
         with CommLog() as log:
             start = time.perf_counter()
@@ -51,7 +51,7 @@ def mlp_step(repeats: int, parallel: bool):
         y, grad = p3d.gather_batch(y.detach(), cube), p3d.gather_batch(leaf.grad, cube)
     else:
         y, grad = y.detach(), leaf.grad
-    return statistics.median(times), y, grad, log.wire_bytes()
+    return statistics.median(times[1:]), y, grad, log.wire_bytes()
 
 
 def trainer(argv):
@@ -71,7 +71,7 @@ def main():
     error = max((cube[0][1] - single[1]).abs().max().item(), (cube[0][2] - single[2]).abs().max().item())
     table = sum(p3d.linear3d_cost(16, 256, 1024, 2).values()) + sum(p3d.linear3d_cost(16, 1024, 256, 2).values())
     one_time, one_losses = parakit.launch(trainer, [], world_size=1)[0]
-    mesh_time, mesh_losses = parakit.launch(trainer, ["--dp", "2", "--pp", "2"], world_size=4, timeout=300)[0]
+    mesh_time, mesh_losses = parakit.launch(trainer, ["--dp", "2", "--pp", "2", "--tp", "2"], world_size=8, timeout=300)[0]
     loss_error = max(abs(a - b) for a, b in zip(one_losses, mesh_losses))
     rows = [
         ("seed MLP fwd+bwd, torch.nn.Linear, 1 process", f"{single[0] * 1e3:.2f} ms", ""),
@@ -79,11 +79,11 @@ def main():
         ("  largest difference (output, input grad)", f"{error:.1e}", "PASS" if error <= 1e-5 else "FAIL"),
         ("  bytes sent by rank 0 / seed's table", f"{cube[0][3]:,} / {table:,}", "PASS" if cube[0][3] == table else "FAIL"),
         ("trainer 5 steps, 1 process", f"{one_time:.2f} s", ""),
-        ("trainer 5 steps, dp=2 x pp=2 (4 ranks)", f"{mesh_time:.2f} s", f"x{mesh_time / one_time:.1f} of 1 process"),
+        ("trainer 5 steps, dp=2 x pp=2 x tp=2 (8 ranks)", f"{mesh_time:.2f} s", f"x{mesh_time / one_time:.1f} of 1 process"),
         ("  largest loss difference over 5 steps", f"{loss_error:.1e}", "PASS" if loss_error <= 1e-5 else "FAIL"),
     ]
     for name, value, note in rows:
-        print(f"{name:<48} {value:>22}  {note}")
+        print(f"{name:<50} {value:>22}  {note}")
 
 
 if __name__ == "__main__":
