@@ -44,9 +44,10 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     t = dist.get_world_size(group)
     if t == 1:
         return x
-    out = torch.empty((t, *x.shape), dtype=x.dtype, device=x.device)  # [t, ..., d]
-    dist.all_gather_single(out, x.contiguous(), group=group)
-    return out.movedim(0, -2).reshape(*x.shape[:-1], t * x.shape[-1])  # [..., t*d]
+    x = x.contiguous().view(1, *x.shape)  # [1, ..., d]
+    out = torch.empty((t, *x.shape[1:]), dtype=x.dtype, device=x.device)  # [t, ..., d]
+    dist.all_gather_single(out, x, group=group)
+    return out.movedim(0, -2).reshape(*x.shape[1:-1], t * x.shape[-1])  # [..., t*d]
 
 
 class CopyToRegion(torch.autograd.Function):
