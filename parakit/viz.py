@@ -325,3 +325,105 @@ def ddp_bucket_sweep(labels: Sequence[str], step_ms: Sequence[float], buckets: S
     ax.legend(loc="upper center", fontsize=8)
     ax.set_title(title, fontsize=10)
     return ax.figure
+
+
+# ---------------------------------------------------------------- lesson 05: activation checkpointing
+
+def checkpoint_plan(n: int = 16, segments: int = 4):
+    """n layers in `segments` checkpointed segments (`checkpoint.segment_sizes`). Top: the
+    activation after each layer, kept by the forward (segment inputs) or dropped and
+    recomputed in the backward. Bottom: activations held at the peak, k + n/k, against k."""
+    from parakit import checkpoint
+
+    sizes = checkpoint.segment_sizes(n, segments)
+    kept = {sum(sizes[:s]) for s in range(segments)}
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 4.6), gridspec_kw={"height_ratios": [1, 2.2]})
+    for i in range(n + 1):
+        colour = "#264653" if i in kept else ("#ffffff" if i < n else "#bbbbbb")
+        top.add_patch(plt.Rectangle((i, 0), 0.9, 0.9, facecolor=colour, edgecolor="#264653",
+                                    hatch=None if i in kept or i == n else "//"))
+    for start in sorted(kept)[1:]:
+        top.axvline(start - 0.05, color="#e76f51", linewidth=2)
+    top.set_xlim(-0.2, n + 1)
+    top.set_ylim(-0.1, 1)
+    top.axis("off")
+    top.set_title(f"{n} layers, {segments} segments: {segments} activations kept (dark), "
+                  f"{n - segments} recomputed (hatched), sizes {sizes}", fontsize=9)
+    ks = range(1, n + 1)
+    bottom.plot(ks, [k + n / k for k in ks], color="#e76f51", label="k + n/k")
+    bottom.plot(ks, [checkpoint.peak_units(n, k) for k in ks], "o", color="#264653", markersize=4,
+                label="peak_units(n, k): whole segments")
+    bottom.axhline(n + 1, color="#999999", linestyle="--", label=f"no checkpointing: n + 1 = {n + 1}")
+    best = checkpoint.best_segments(n)
+    bottom.plot([segments], [checkpoint.peak_units(n, segments)], "s", color="#2a9d8f", markersize=10,
+                label=f"k = {segments}", zorder=0)
+    bottom.set_xlabel(f"segments k (best: {best}, sqrt(n) = {n ** 0.5:.1f})")
+    bottom.set_ylabel("activations held at the peak")
+    bottom.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def checkpoint_curve(segments: Sequence[int], forward: Sequence[float], peak: Sequence[float],
+                     step_ms: Sequence[float], *, n: int, plain_ms: float, predicted_ms: float):
+    """Measured saved bytes (in activations: forward and peak) and step time against the
+    number of segments, with the theory drawn over them: k and k + n/k activations against
+    n + 1 unchecked; one extra forward per step."""
+    fig, (memory, speed) = plt.subplots(1, 2, figsize=(10, 3.4))
+    ks = range(1, max(segments) + 1)
+    memory.plot(ks, [k + n / k for k in ks], color="#e76f51", label="theory: peak k + n/k")
+    memory.plot(ks, list(ks), color="#f4a261", label="theory: forward keeps k")
+    memory.plot(segments, peak, "o", color="#264653", label="measured peak")
+    memory.plot(segments, forward, "s", color="#2a9d8f", label="measured after forward")
+    memory.axhline(n + 1, color="#999999", linestyle="--", label="no checkpointing")
+    memory.set_xlabel("segments k")
+    memory.set_ylabel("saved activations [batch, hidden]")
+    memory.set_title(f"{n} layers: what autograd saves", fontsize=10)
+    memory.legend(fontsize=7)
+    speed.plot(segments, step_ms, "o", color="#264653", label="measured")
+    speed.axhline(predicted_ms, color="#e76f51", label="theory: plain + one forward")
+    speed.axhline(plain_ms, color="#999999", linestyle="--", label="no checkpointing")
+    speed.set_ylim(0, max(max(step_ms), predicted_ms) * 1.2)
+    speed.set_xlabel("segments k")
+    speed.set_ylabel("ms per step (median)")
+    speed.set_title("what it costs in time", fontsize=10)
+    speed.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def tensor_parallel_splits(t: int = 2):
+    """Y = XA on t ranks, split two ways. Left, column parallel: A's columns in t blocks,
+    rank i computes Y_i = X A_i, and Y = [Y_1 ... Y_t]. Right, row parallel: A's rows and X's
+    columns in t blocks, rank i computes X_i A_i, and Y is their sum (an all-reduce)."""
+    colours = plt.get_cmap("tab10").colors
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
+
+    def block(ax, x, y, w, h, colour, text=""):
+        ax.add_patch(plt.Rectangle((x, y), w, h, facecolor=colour, edgecolor="white", linewidth=1.5))
+        if text:
+            ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=8, color="white")
+
+    for ax, kind in zip(axes, ("column", "row")):
+        grey = "#8d99ae"
+        for i in range(t):
+            c = colours[i % 10]
+            if kind == "column":  # X [2, 3] replicated, A [3, 3] by columns, Y [2, 3] by columns
+                block(ax, 0, 0, 2, 2, grey, "X" if i == 0 else "")
+                block(ax, 2.6 + 3 * i / t, 0, 3 / t, 3, c, f"A{i + 1}")
+                block(ax, 6.2 + 3 * i / t, 0, 3 / t, 2, c, f"XA{i + 1}")
+            else:  # X [2, 3] by columns, A [3, 3] by rows, Y [2, 3] the sum
+                block(ax, 2 * i / t, 0, 2 / t, 2, c, f"X{i + 1}")
+                block(ax, 2.6, 3 - 3 * (i + 1) / t, 3, 3 / t, c, f"A{i + 1}")
+                block(ax, 6.2, 0, 3, 2, grey, "Σ XᵢAᵢ" if i == 0 else "")
+        ax.text(2.3, 1, "×", ha="center", va="center", fontsize=14)
+        ax.text(5.9, 1, "=", ha="center", va="center", fontsize=14)
+        words = ("A by columns: rank i holds A_i, computes XA_i; Y = concat (all-gather if needed)" if kind == "column"
+                 else "A by rows, X by columns: rank i computes X_i A_i; Y = sum (all-reduce)")
+        ax.set_title(f"{kind} parallel on {t} ranks\n{words}", fontsize=9)
+        ax.set_xlim(-0.2, 9.4)
+        ax.set_ylim(-0.2, 3.2)
+        ax.set_aspect("equal")
+        ax.axis("off")
+    fig.tight_layout()
+    return fig
