@@ -144,7 +144,8 @@ def parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[tuple], devic
         except BaseException as error:  # handed to the caller's thread
             results[i] = _Failure(error, i)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(replicas))]
+    threads = [threading.Thread(target=work, args=(i,), name=f"replica {i} on {devices[i]}")
+               for i in range(len(replicas))]
     for t in threads:
         t.start()
     for t in threads:
