@@ -1,0 +1,34 @@
+"""ZeRO: shard the optimizer state (stage 1), the gradients (stage 2) and the parameters
+(stage 3, FSDP) over the data-parallel ranks, so that each rank keeps 1/N of them.
+
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)   # stage=1 or 2
+    loss_fn(model(x), y).backward(); optimizer.step()      # averages, steps its shard, shares
+
+    model = FullyShardedDataParallel(net, units=list(net), compute_dtype=torch.bfloat16)
+    loss_fn(model(x), y).backward(); model.finish_gradient_synchronization(); optimizer.step()
+
+`ShardedOptimizer` gives each parameter (whole, as torch's ZeroRedundancyOptimizer does:
+largest first, to the rank with the fewest elements so far) one owner. Its `step()` reduces
+each gradient to its owner (stage 1; stage 2 does it during backward and drops the
+gradients a rank does not own), the owner steps it with its own `optimizer_cls`, and each
+owner broadcasts its updated parameters. Any torch.optim class works, as each owner
+steps whole parameters. A rank sends about Psi(N-1)/N for the gradients and as much for
+the parameters: 2 Psi per step, as all-reduce does.
+
+`FullyShardedDataParallel` flattens the trainable parameters of each unit (a submodule you
+name, the rest in the root unit), pads them to a multiple of N and keeps 1/N: the flat
+shard, a Parameter of the wrapper (fp32 master weights; optimizers see these). Before a
+unit runs, its shard is all-gathered (in `compute_dtype`) and the module's parameters
+become views of the full buffer; after, the buffer's storage is freed. Autograd keeps the
+views it saved; when backward unpacks them the unit is gathered again; when the gradients
+of its parameters are all there, they are reduce-scattered (fp32, averaged) into the
+shard's `.grad`. Step per unit: all-gather, all-gather, reduce-scatter: 3 Psi. Frozen
+parameters are not sharded: each rank keeps them whole (in `compute_dtype`). The optimizer must work element
+by element (SGD, Adam, AdamW: a flat shard mixes parameters), as for torch's FSDP1.
+"""
+from parakit.zero.fsdp import FullyShardedDataParallel
+from parakit.zero.memory import MemoryMeter, held_bytes, profile_stage, zero_bytes, zero_comm_bytes
+from parakit.zero.optimizer import ShardedOptimizer, partition_parameters
+
+__all__ = ["ShardedOptimizer", "FullyShardedDataParallel", "partition_parameters", "zero_bytes",
+           "zero_comm_bytes", "held_bytes", "MemoryMeter", "profile_stage"]

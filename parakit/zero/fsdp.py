@@ -1,0 +1,205 @@
+"""ZeRO-3: fully sharded data parallel, unit by unit (see parakit.zero)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["FullyShardedDataParallel"]
+
+
+class _Unit:
+    """One FSDP unit: its module, its trainable parameters flattened and padded to
+    N * chunk elements, this rank's chunk (the fp32 master shard) and the full buffer."""
+
+    def __init__(self, module: nn.Module, params: list[torch.Tensor], locations: list[list[tuple]], group, dtype):
+        self.module, self.locations, self.group, self.dtype = module, locations, group, dtype
+        self.shapes = [p.shape for p in params]
+        self.offsets = [0] + list(torch.tensor([p.numel() for p in params]).cumsum(0).tolist())
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.chunk = -(-self.offsets[-1] // n)
+        flat = torch.zeros(n * self.chunk, dtype=params[0].dtype, device=params[0].device)  # [N * chunk]
+        torch.cat([p.detach().reshape(-1) for p in params], out=flat[: self.offsets[-1]])
+        self.shard = nn.Parameter(flat[rank * self.chunk:(rank + 1) * self.chunk].clone())  # [chunk]
+        self.full = torch.empty(0, dtype=dtype or flat.dtype, device=flat.device)  # [N * chunk] while gathered
+        for places in locations:
+            for owner, name in places:
+                del owner._parameters[name]
+
+    def gathered(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def gather(self) -> list[torch.Tensor]:
+        """All-gather the unit (each rank sends its chunk, in compute dtype, to the N-1 others)
+        into the full buffer, unless it is there; return one view per parameter."""
+        if not self.gathered():
+            n = dist.get_world_size(self.group)
+            if self.full.numel() == 0:
+                self.full = torch.empty(n * self.chunk, dtype=self.full.dtype, device=self.full.device)
+            else:
+                self.full.untyped_storage().resize_(n * self.chunk * self.full.element_size())
+            dist.all_gather_single(self.full.data, self.shard.detach().to(self.full.dtype), group=self.group)
+        return [self.full[a:b].view(shape) for a, b, shape in zip(self.offsets, self.offsets[1:], self.shapes)]
+
+    def free(self) -> None:
+        """Free the full buffer's memory; the views keep their shapes and come back on gather."""
+        self.full.untyped_storage().resize_(0)
+
+
+class _GatherUnit(torch.autograd.Function):
+    """Forward: the unit's parameters, gathered. Backward: their gradients, reduce-scattered."""
+
+    @staticmethod
+    def forward(ctx, shard, fsdp, unit):
+        ctx.fsdp, ctx.unit = fsdp, unit
+        ctx.set_materialize_grads(False)
+        return tuple(unit.gather())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.fsdp._reduce_scatter(ctx.unit, grads)
+        return None, None, None
+
+
+class FullyShardedDataParallel(nn.Module):
+    """ZeRO-3: each rank keeps 1/N of every unit's parameters, gradients and optimizer state.
+
+    `units`: submodules of `module` gathered one at a time (e.g. its layers); the parameters
+    outside them (and tied ones shared between units) form the root unit, gathered for the
+    whole forward. `compute_dtype` (e.g. torch.bfloat16): the dtype of the gathered
+    parameters and of the floating inputs; shards and gradients stay in fp32.
+    """
+
+    def __init__(self, module: nn.Module, units=(), compute_dtype: torch.dtype | None = None, group=None):
+        super().__init__()
+        if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
+            raise TypeError(f"compute_dtype must be a floating-point torch.dtype such as torch.bfloat16 or "
+                            f"torch.float16 (or None to compute in the parameters' dtype), got {compute_dtype!r}")
+        self.module, self.group, self.compute_dtype = module, group, compute_dtype
+        self.world_size = dist.get_world_size(group)
+        _broadcast_from_first([*module.parameters(), *module.buffers()], group)
+        self.names = {}  # original name -> (unit index, parameter index), or None where frozen
+        self.units = self._build_units([module, *units])
+        self.shards = nn.ParameterList([u.shard for u in self.units])
+        with torch.no_grad():
+            for p in module.parameters():  # the frozen ones, kept whole, in the compute dtype
+                p.data = p.data.to(compute_dtype or p.dtype)
+        self._pending = None  # the reduce-scatter in flight: (unit, fp32 gradient buffer, its output, work)
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(lambda mod, args, unit=unit: self._gather(unit))
+            unit.module.register_forward_hook(lambda mod, args, out, unit=unit: unit.free())
+
+    def _build_units(self, modules: list[nn.Module]) -> list[_Unit]:
+        """Each trainable parameter joins the smallest unit holding every place it is used."""
+        members = [{id(m) for m in unit.modules()} for unit in modules]
+        if any(id(m) not in members[0] for m in modules[1:]):
+            raise ValueError("every unit must be a submodule of the wrapped module: pass e.g. units=list(model)")
+        places, params, names = {}, {}, {}
+        for path, sub in self.module.named_modules(remove_duplicate=False):
+            for name, p in sub._parameters.items():
+                if p is None:
+                    continue
+                names[f"{path}.{name}" if path else name] = p
+                where = places.setdefault(id(p), []) if p.requires_grad else []
+                if p.requires_grad and not any(s is sub and n == name for s, n in where):
+                    where.append((sub, name))
+                    params[id(p)] = p
+        chosen = [[] for _ in modules]
+        for key, where in places.items():
+            fits = [i for i, m in enumerate(members) if all(id(sub) in m for sub, _ in where)]
+            chosen[min(fits, key=lambda i: len(members[i]))].append(key)
+        units, position = [], {}
+        for module, keys in zip(modules, chosen):
+            if keys:
+                position.update({key: (len(units), j) for j, key in enumerate(keys)})
+                units.append(_Unit(module, [params[k] for k in keys], [places[k] for k in keys], self.group,
+                                   self.compute_dtype))
+        self.names = {name: position.get(id(p), p) for name, p in names.items()}  # (unit, index) or frozen tensor
+        return units
+
+    def _gather(self, unit: _Unit) -> None:
+        """Before a unit runs: its parameters become views of its gathered full buffer."""
+        for view, places in zip(_GatherUnit.apply(unit.shard, self, unit), unit.locations):
+            for owner, name in places:
+                setattr(owner, name, view)
+
+    def forward(self, *args, **kwargs):
+        if self._pending is not None:
+            raise RuntimeError("finish_gradient_synchronization() was not called after the last backward: call it "
+                               "after backward and before optimizer.step()")
+        if self.compute_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            return self.module(*args, **kwargs)
+
+    def _pack(self, tensor: torch.Tensor):
+        """What autograd saves: a view of a unit's buffer is tagged so that it is gathered again."""
+        ptr = tensor.untyped_storage().data_ptr()
+        unit = next((u for u in self.units if ptr and u.full.untyped_storage().data_ptr() == ptr), None)
+        return tensor if unit is None else (unit, tensor)
+
+    @staticmethod
+    def _unpack(packed):
+        if isinstance(packed, tuple):
+            packed[0].gather()
+            return packed[1]
+        return packed
+
+    def _reduce_scatter(self, unit: _Unit, grads) -> None:
+        """Free the unit's full buffer and start reduce-scattering its gradients (fp32, padded:
+        each rank sends (N-1)/N of N * chunk * 4 bytes); one reduce-scatter in flight at a time."""
+        self.finish_gradient_synchronization()
+        flat = torch.zeros(self.world_size * unit.chunk, dtype=unit.shard.dtype, device=unit.shard.device)
+        for grad, a, b in zip(grads, unit.offsets, unit.offsets[1:]):
+            if grad is not None:
+                flat[a:b] = grad.reshape(-1)  # [numel] into [N * chunk], cast to fp32
+        unit.free()
+        out = torch.empty_like(unit.shard)  # [chunk]
+        self._pending = unit, flat, out, dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for the last reduce-scatter and add its average into the shard's `.grad`."""
+        if self._pending is None:
+            return
+        unit, _, out, work = self._pending
+        work.wait()
+        out.div_(self.world_size)
+        unit.shard.grad = out if unit.shard.grad is None else unit.shard.grad.add_(out)
+        self._pending = None
+
+    @torch.no_grad()
+    def gather_full_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter, whole and fp32, by its name in the wrapped module (for saving):
+        each unit's shard goes to every other rank (all_gather_single, (N-1) x its bytes)."""
+        full = []
+        for unit in self.units:
+            flat = torch.empty(self.world_size * unit.chunk, dtype=unit.shard.dtype, device=unit.shard.device)
+            dist.all_gather_single(flat, unit.shard.detach(), group=self.group)  # [N * chunk]
+            full.append([flat[a:b].view(s).clone() for a, b, s in zip(unit.offsets, unit.offsets[1:], unit.shapes)])
+        return {name: full[where[0]][where[1]] if isinstance(where, tuple) else where.detach().clone()
+                for name, where in self.names.items()}
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The parameter and gradient tensors this rank holds now (shards, full buffers, frozen
+        parameters, the gradient buffer of a reduce-scatter in flight)."""
+        params = [*self.parameters(), *(u.full for u in self.units)]
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        return {"parameters": params, "gradients": grads + list(self._pending[1:3] if self._pending else [])}
+
+
+def _broadcast_from_first(tensors: list[torch.Tensor], group) -> None:
+    """Rank 0 of the group sends every tensor to all others (each tensor's bytes, along a chain)."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(t, src, group=group)
+
+
+def _cast_floating(tree, dtype):
+    if isinstance(tree, torch.Tensor):
+        return tree.to(dtype) if tree.is_floating_point() else tree
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_cast_floating(t, dtype) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _cast_floating(v, dtype) for k, v in tree.items()}
+    return tree

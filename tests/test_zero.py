@@ -1,0 +1,356 @@
+"""parakit.zero on real ranks (gloo on CPU): ZeRO-1/2 (ShardedOptimizer) and ZeRO-3
+(FullyShardedDataParallel) train exactly as one process does on the whole batch, as torch's
+ZeroRedundancyOptimizer and fully_shard do, and hold and send the bytes counted here."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import parakit
+from parakit import comm, zero
+
+STEPS = 3
+
+
+class TiedNet(nn.Module):
+    """`hidden.weight` is used twice (tied), `hidden.bias` is frozen, 5 * 7 + 7 + ... elements:
+    no parameter count is a multiple of 2 or 4."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp, self.hidden, self.back, self.out = nn.Linear(5, 7), nn.Linear(7, 7), nn.Linear(7, 7), nn.Linear(7, 3)
+        self.back.weight = self.hidden.weight
+        self.hidden.bias.requires_grad_(False)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.back(torch.tanh(self.hidden(torch.tanh(self.inp(x)))))))
+
+    def units(self):
+        return [self.inp, self.hidden, self.back, self.out]
+
+
+OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+              "adamw": (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1})}
+
+
+def batches(seed: int, world_size: int):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(2 * world_size, 5, generator=g), torch.randn(2 * world_size, 3, generator=g))
+            for _ in range(STEPS)]
+
+
+def train_one_process(seed: int, world_size: int, optimizer: str) -> dict[str, torch.Tensor]:
+    model = TiedNet(seed)
+    cls, kwargs = OPTIMIZERS[optimizer]
+    opt = cls(model.parameters(), **kwargs)
+    for x, y in batches(seed, world_size):
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def my_batch(x, y):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    return x.chunk(n)[rank], y.chunk(n)[rank]
+
+
+# ---------------------------------------------------------------- ZeRO-1 and ZeRO-2
+
+def train_sharded(seed, optimizer, stage):
+    model = TiedNet(seed)
+    cls, kwargs = OPTIMIZERS[optimizer]
+    opt = zero.ShardedOptimizer(model.parameters(), cls, stage=stage, **kwargs)
+    for x, y in batches(seed, dist.get_world_size()):
+        xb, yb = my_batch(x, y)
+        F.mse_loss(model(xb), yb).backward()
+        kept = {i for i, p in enumerate(opt.params) if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+    owned = {i for i, o in enumerate(opt.owners) if o == dist.get_rank()}
+    return model.state_dict(), kept, owned
+
+
+@pytest.mark.parametrize("stage,optimizer,world_size", [(1, "adamw", 2), (2, "adamw", 4), (1, "sgd", 4),
+                                                        (2, "sgd", 2)])
+def test_sharded_optimizer_trains_like_one_process(stage, optimizer, world_size):
+    seed = int(torch.randint(0, 2**30, ()))
+    expected = train_one_process(seed, world_size, optimizer)
+    for state, kept, owned in parakit.launch(train_sharded, seed, optimizer, stage, world_size=world_size):
+        torch.testing.assert_close(state, expected)
+        trainable = set(range(7)) - {3}  # inp (2), hidden (tied weight, frozen bias), back.bias, out (2)
+        assert kept == (trainable if stage == 1 else owned & trainable)  # ZeRO-2 keeps the gradients it owns, only
+
+
+def against_zero_redundancy_optimizer(seed):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    results = []
+    for cls in (zero.ShardedOptimizer, ZeroRedundancyOptimizer):
+        model = TiedNet(seed)
+        opt = cls(model.parameters(), torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+        for x, y in batches(seed, dist.get_world_size()):
+            xb, yb = my_batch(x, y)
+            F.mse_loss(model(xb), yb).backward()
+            if cls is ZeroRedundancyOptimizer:  # torch's expects averaged gradients (from DDP)
+                for p in model.parameters():
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad)
+                        p.grad.div_(dist.get_world_size())
+            opt.step()
+            opt.zero_grad()
+        results.append((model.state_dict(), zero.held_bytes(model, opt if cls is zero.ShardedOptimizer else opt.optim)))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sharded_optimizer_equals_zero_redundancy_optimizer_and_holds_the_same_state(world_size):
+    seed = int(torch.randint(0, 2**30, ()))
+    for (mine, my_bytes), (torchs, torch_bytes) in parakit.launch(against_zero_redundancy_optimizer, seed,
+                                                                   world_size=world_size):
+        torch.testing.assert_close(mine, torchs)
+        assert my_bytes == torch_bytes  # same partition: the same optimizer state on each rank
+
+
+def save_and_load(seed, saved, steps_before):
+    """Train `steps_before` steps (or load `saved`), then the rest; return the state dict."""
+    model = TiedNet(seed)
+    opt = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=0.05, weight_decay=0.1)
+    data = batches(seed, 4)
+    if saved is not None:
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+    for x, y in data[:steps_before] if saved is None else data[steps_before:]:
+        F.mse_loss(model(my_batch(x, y)[0]), my_batch(x, y)[1]).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict(), opt.state_dict()
+
+
+def test_state_dict_is_the_unsharded_one_and_loads_at_another_world_size():
+    seed = int(torch.randint(0, 2**30, ()))
+    model = TiedNet(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    for i, (x, y) in enumerate(batches(seed, 4)):
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 0:
+            after_one = copy.deepcopy(opt.state_dict())
+    saved = parakit.launch(save_and_load, seed, None, 1, world_size=2)
+    for _, state in saved:
+        torch.testing.assert_close(state["state"], after_one["state"])
+        assert state["param_groups"] == after_one["param_groups"]
+    for params, state in parakit.launch(save_and_load, seed, saved[0], 1, world_size=4):  # saved on 2, loaded on 4
+        torch.testing.assert_close(params, model.state_dict())
+        torch.testing.assert_close(state["state"], opt.state_dict()["state"])
+
+
+# ---------------------------------------------------------------- ZeRO-3
+
+def train_fsdp(seed, optimizer, compute_dtype=None):
+    net = TiedNet(seed)
+    model = zero.FullyShardedDataParallel(net, units=net.units(), compute_dtype=compute_dtype)
+    cls, kwargs = OPTIMIZERS[optimizer]
+    opt = cls(model.parameters(), **kwargs)
+    with comm.CommLog() as log:
+        for x, y in batches(seed, dist.get_world_size()):
+            xb, yb = my_batch(x, y)
+            out = model(xb)
+            F.mse_loss(out.float(), yb).backward()
+            model.finish_gradient_synchronization()
+            opt.step()
+            opt.zero_grad()
+    dtypes = {p.dtype for p in model.parameters()} | {out.dtype}
+    return model.gather_full_params(), dtypes, log.nbytes("all_gather_single")
+
+
+@pytest.mark.parametrize("optimizer,world_size", [("adamw", 2), ("sgd", 4)])
+def test_fsdp_trains_like_one_process(optimizer, world_size):
+    seed = int(torch.randint(0, 2**30, ()))
+    expected = train_one_process(seed, world_size, optimizer)
+    for full, dtypes, _ in parakit.launch(train_fsdp, seed, optimizer, world_size=world_size):
+        assert list(full) == list(expected)  # every name of the wrapped module, the tied and the frozen ones too
+        torch.testing.assert_close(full, expected)
+        assert dtypes == {torch.float32}
+
+
+def test_fsdp_in_bfloat16_gathers_half_the_bytes_and_keeps_fp32_master_weights():
+    seed = int(torch.randint(0, 2**30, ()))
+    expected = train_one_process(seed, 2, "sgd")
+    fp32 = parakit.launch(train_fsdp, seed, "sgd", world_size=2)
+    bf16 = parakit.launch(train_fsdp, seed, "sgd", torch.bfloat16, world_size=2)
+    for (full, dtypes, gathered), (_, _, gathered32) in zip(bf16, fp32):
+        torch.testing.assert_close({k: v.float() for k, v in full.items()}, expected, atol=2e-2, rtol=0)
+        assert dtypes == {torch.float32, torch.bfloat16}  # fp32 shards, bf16 output
+        assert gathered * 2 == gathered32
+
+
+def against_fully_shard(seed):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    results = []
+    for wrap in ("parakit", "torch"):
+        torch.manual_seed(seed)
+        net = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 3))
+        if wrap == "torch":
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            for layer in (net[0], net[2], net):
+                fully_shard(layer, mesh=mesh)
+            model = net
+        else:
+            model = zero.FullyShardedDataParallel(net, units=[net[0], net[2]])
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        for x, y in batches(seed, dist.get_world_size()):
+            xb, yb = my_batch(x, y)
+            F.mse_loss(model(xb), yb).backward()
+            if wrap == "parakit":
+                model.finish_gradient_synchronization()
+            opt.step()
+            opt.zero_grad()
+        results.append(model.gather_full_params() if wrap == "parakit"
+                       else {k: v.full_tensor() for k, v in net.named_parameters()})
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fsdp_equals_torch_fully_shard(world_size):
+    seed = int(torch.randint(0, 2**30, ()))
+    for mine, torchs in parakit.launch(against_fully_shard, seed, world_size=world_size):
+        torch.testing.assert_close(mine, torchs)
+
+
+def forgets_to_finish(seed):
+    net = TiedNet(seed)
+    model = zero.FullyShardedDataParallel(net, units=net.units())
+    model(torch.randn(2, 5)).sum().backward()
+    try:
+        model(torch.randn(2, 5))
+    except RuntimeError as error:
+        return str(error)
+
+
+def test_fsdp_forward_without_finishing_the_gradients_says_what_to_call():
+    for message in parakit.launch(forgets_to_finish, 0, world_size=2):
+        assert "finish_gradient_synchronization() was not called after the last backward" in message
+
+
+# ---------------------------------------------------------------- bytes held and sent, exactly
+
+LAYERS = [(64, 48), (48, 40), (40, 64), (64, 24)]  # (in, out) of each Linear
+
+
+def profile(stage):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(i, o) for i, o in LAYERS])
+    x, y = torch.randn(8, 64), torch.randn(8, 24)
+    return zero.profile_stage(model, stage, (x, y), F.mse_loss, lr=1e-3)
+
+
+def expected_bytes(stage: int, n: int, rank: int) -> dict:
+    """Bytes of fp32 parameters, gradients and AdamW state (exp_avg, exp_avg_sq: 8 bytes per
+    element, plus its 4-byte `step`) held at rest, and bytes sent, counted parameter by parameter."""
+    sizes = [s for i, o in LAYERS for s in (i * o, o)]  # weight, bias of each layer
+    psi = sum(sizes)
+    owners = zero.partition_parameters([[torch.empty(s) for s in sizes]], n)
+    if stage == 3:
+        chunks = [-(-(i * o + o) // n) for i, o in LAYERS]  # gathered in forward; again in backward but the
+        # first layer, whose weight backward does not need (its input needs no gradient)
+        sent = sum(comm.ring_bytes("all_gather_single", 4 * c, n) for c in chunks + chunks[1:])
+        sent += sum(comm.ring_bytes("reduce_scatter_single", 4 * n * c, n) for c in chunks)
+        return {"rest": {"parameters": 4 * sum(chunks), "gradients": 4 * sum(chunks),
+                         "optimizer": sum(8 * c + 4 for c in chunks)},
+                "peak_parameters": 4 * sum(chunks) + 4 * n * max(chunks), "wire_bytes": sent}
+    mine = [s for s, o in zip(sizes, owners) if o == rank]
+    if stage == 0:
+        return {"rest": {"parameters": 4 * psi, "gradients": 4 * psi, "optimizer": 8 * psi + 4 * len(sizes)},
+                "wire_bytes": sum(comm.ring_bytes("all_reduce", 4 * s, n) for s in sizes)}
+    sent = sum(comm.ring_bytes("reduce", 4 * s, n, rank, o) + comm.ring_bytes("broadcast", 4 * s, n, rank, o)
+               for s, o in zip(sizes, owners))
+    return {"rest": {"parameters": 4 * psi, "gradients": 4 * (psi if stage == 1 else sum(mine)),
+                     "optimizer": sum(8 * s + 4 for s in mine)}, "wire_bytes": sent}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bytes_held_and_sent_per_rank_are_exact_at_every_stage(world_size):
+    for stage in range(4):
+        for rank, got in enumerate(parakit.launch(profile, stage, world_size=world_size)):
+            expected = expected_bytes(stage, world_size, rank)
+            assert got["rest"] == expected["rest"], (stage, rank)
+            assert got["wire_bytes"] == expected["wire_bytes"], (stage, rank)
+            if stage == 3:  # one unit gathered at a time on top of the shards
+                assert got["peak"]["parameters"] == expected["peak_parameters"]
+            else:
+                assert got["peak"]["parameters"] == got["rest"]["parameters"]
+            if stage == 2:  # one gradient in flight beyond the owned ones, at most
+                assert got["rest"]["gradients"] <= got["peak"]["gradients"] <= got["rest"]["gradients"] + 4 * 64 * 64
+
+
+def test_the_issue_bars_at_four_ranks():
+    """ZeRO-1 optimizer state per rank within one parameter's size of total/4; ZeRO-3
+    parameter bytes at rest within the padding of total/4."""
+    n, psi = 4, sum(i * o + o for i, o in LAYERS)
+    total_state = expected_bytes(0, n, 0)["rest"]["optimizer"]
+    largest = max(8 * i * o + 4 for i, o in LAYERS)
+    stage1, stage3 = parakit.launch(profile, 1, world_size=n), parakit.launch(profile, 3, world_size=n)
+    for got in stage1:
+        assert abs(got["rest"]["optimizer"] - total_state / n) <= largest
+    for got in stage3:
+        assert 0 <= got["rest"]["parameters"] - 4 * psi / n < 4 * len(LAYERS)
+
+
+def test_zero_table_formulas():
+    assert zero.zero_bytes(1000, 4, 0) == {"parameters": 2000, "gradients": 2000, "optimizer": 12000}
+    assert zero.zero_bytes(1000, 4, 1) == {"parameters": 2000, "gradients": 2000, "optimizer": 3000}
+    assert zero.zero_bytes(1000, 4, 2) == {"parameters": 2000, "gradients": 500, "optimizer": 3000}
+    assert zero.zero_bytes(1000, 4, 3, k=8, param_bytes=4, grad_bytes=4) == {
+        "parameters": 1000, "gradients": 1000, "optimizer": 2000}
+    assert [zero.zero_comm_bytes(1000, 4, s) for s in range(4)] == [3000, 3000, 3000, 4500]
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_optimizer_class_must_be_a_torch_optimizer():
+    params = list(nn.Linear(2, 2).parameters())
+    for bad in (torch.optim.SGD(params, lr=0.1), dict):
+        with pytest.raises(TypeError, match="optimizer_cls must be a torch.optim.Optimizer subclass such as "
+                                            "torch.optim.AdamW"):
+            zero.ShardedOptimizer(params, bad, lr=0.1)
+
+
+def test_empty_parameter_list_is_refused():
+    with pytest.raises(ValueError, match="ShardedOptimizer got an empty parameter list"):
+        zero.ShardedOptimizer([], torch.optim.SGD, lr=0.1)
+
+
+def test_stage_three_is_not_a_sharded_optimizer_stage():
+    with pytest.raises(ValueError, match="for stage 3 wrap the model in FullyShardedDataParallel"):
+        zero.ShardedOptimizer(nn.Linear(2, 2).parameters(), torch.optim.SGD, stage=3, lr=0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, "bfloat16"])
+def test_compute_dtype_must_be_floating_point(dtype):
+    with pytest.raises(TypeError, match="compute_dtype must be a floating-point torch.dtype such as torch.bfloat16"):
+        zero.FullyShardedDataParallel(nn.Linear(2, 2), compute_dtype=dtype)
+
+
+def load_other_model(seed):
+    opt = zero.ShardedOptimizer(nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1)
+    other = torch.optim.SGD(TiedNet(seed).parameters(), lr=0.1).state_dict()
+    try:
+        opt.load_state_dict(other)
+    except ValueError as error:
+        return str(error)
+
+
+def test_state_dict_of_another_model_is_refused():
+    for message in parakit.launch(load_other_model, 0, world_size=2):
+        assert message == ("the state dict has param groups of [7] parameters but this optimizer has [2]: "
+                           "load a state saved for the same model")
