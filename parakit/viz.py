@@ -427,3 +427,89 @@ def tensor_parallel_splits(t: int = 2):
         ax.axis("off")
     fig.tight_layout()
     return fig
+
+
+# ---------------------------------------------------------------- lesson 03: ZeRO
+
+ZERO_KINDS = {"parameters": "#264653", "gradients": "#2a9d8f", "optimizer": "#e9c46a"}
+ZERO_STAGES = ["baseline (DDP)", "ZeRO-1: optimizer state", "ZeRO-2: + gradients", "ZeRO-3 / FSDP: + parameters"]
+
+
+def zero_stages(n: int = 4, k: int = 12):
+    """What each of n ranks keeps at each stage, per parameter element: parameters (2 bytes),
+    gradients (2) and optimizer state (K), as in the ZeRO paper's mixed precision. A sharded
+    kind is filled only over the rank's own 1/n; its outline is the whole that DDP keeps."""
+    from parakit.zero import zero_bytes
+
+    whole = zero_bytes(1, 1, 0, k)
+    fig, axes = plt.subplots(1, 4, figsize=(14, 0.45 * n + 1.6), sharey=True)
+    for stage, ax in enumerate(axes):
+        held = zero_bytes(1, n, stage, k)
+        for rank in range(n):
+            x = 0.0
+            for kind, colour in ZERO_KINDS.items():
+                width = whole[kind]
+                ax.add_patch(plt.Rectangle((x, rank + 0.1), width, 0.8, fill=False, edgecolor=colour))
+                start = x if held[kind] == width else x + width * rank / n
+                ax.add_patch(plt.Rectangle((start, rank + 0.1), held[kind], 0.8, color=colour,
+                                           label=kind if rank == 0 and stage == 0 else None))
+                x += width
+        ax.set_title(f"{ZERO_STAGES[stage]}\n{sum(held.values()):g} bytes per element on each rank", fontsize=9)
+        ax.set_xlim(0, sum(whole.values()))
+        ax.set_ylim(n, 0)
+        ax.set_xlabel("bytes per parameter element")
+    axes[0].set_yticks([r + 0.5 for r in range(n)], [f"rank {r}" for r in range(n)])
+    fig.legend(loc="lower center", ncol=3, fontsize=8, bbox_to_anchor=(0.5, -0.02))
+    fig.suptitle(f"N = {n} ranks, K = {k}: each rank fills its own 1/N of what is sharded", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
+
+
+def zero_memory_bars(measured: dict[int, Sequence[dict]], predicted: dict[int, dict], *, title: str, ax=None):
+    """Measured bytes per rank (stacked by kind, one bar per rank) for each stage, and the
+    formula's total per rank as a black line across the stage's bars."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 3.6))
+    ticks = []
+    for s, (stage, ranks) in enumerate(measured.items()):
+        left = s * (len(ranks) + 1)
+        for rank, held in enumerate(ranks):
+            bottom = 0
+            for kind, colour in ZERO_KINDS.items():
+                ax.bar(left + rank, held[kind], bottom=bottom, color=colour, width=0.8,
+                       label=kind if s == 0 and rank == 0 else None)
+                bottom += held[kind]
+        ax.hlines(sum(predicted[stage].values()), left - 0.45, left + len(ranks) - 0.55, color="black",
+                  linewidth=2, label="formula" if s == 0 else None)
+        ticks.append((left + (len(ranks) - 1) / 2, f"{ZERO_STAGES[stage]}\nranks 0..{len(ranks) - 1}"))
+    ax.set_xticks([t for t, _ in ticks], [label for _, label in ticks], fontsize=8)
+    ax.set_ylabel("bytes held per rank")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return ax.figure
+
+
+def zero_calculator(billions: float = 7.5, n: int = 64, k: int = 12, stage: int = 3, param_bytes: int = 2,
+                    grad_bytes: int = 2):
+    """Gigabytes per rank of parameters, gradients and optimizer state for a model of
+    `billions` of parameters on n ranks at each stage (zero.zero_bytes); `stage` is outlined."""
+    from parakit.zero import zero_bytes
+
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    for s in range(4):
+        held = zero_bytes(billions * 1e9, n, s, k, param_bytes, grad_bytes)
+        left = 0.0
+        for kind, colour in ZERO_KINDS.items():
+            ax.barh(s, held[kind] / 1e9, left=left, color=colour, label=kind if s == 0 else None,
+                    edgecolor="black" if s == stage else None, linewidth=2 if s == stage else 0)
+            left += held[kind] / 1e9
+        ax.text(left, s, f"  {left:,.1f} GB", va="center", fontsize=9, fontweight="bold" if s == stage else None)
+    ax.set_yticks(range(4), ZERO_STAGES, fontsize=8)
+    ax.set_ylim(3.6, -0.6)
+    ax.set_xlabel("GB per rank (parameters, gradients, optimizer state; no activations)")
+    ax.set_title(f"Ψ = {billions:g} B parameters, N = {n}, K = {k}, {param_bytes}+{grad_bytes} bytes "
+                 f"per parameter and gradient", fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_xlim(0, 1.25 * (param_bytes + grad_bytes + k) * billions)
+    fig.tight_layout()
+    return fig

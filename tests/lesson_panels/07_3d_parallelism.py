@@ -48,4 +48,4 @@ def _replace(source: str, pairs) -> str:
     return source
 
 
-LESSON = panel.Lesson(REPO / "solutions" / "07_3d_parallelism.ipynb", students, timeout=60)
+LESSON = panel.Lesson(REPO / "solutions" / "07_3d_parallelism.ipynb", students, timeout=90)
