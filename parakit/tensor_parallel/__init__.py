@@ -5,12 +5,12 @@ tensor-parallel regions. Every layer takes `group`, the tensor-parallel process 
 (default: the world)."""
 from parakit.tensor_parallel.layers import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention,
                                             ParallelTransformerBlock, RowParallelLinear, tp_size_rank)
-from parakit.tensor_parallel.mappings import (copy_to_region, gather_from_region, reduce_from_region,
-                                              scatter_to_region)
+from parakit.tensor_parallel.mappings import (CopyToRegion, GatherFromRegion, ReduceFromRegion, ScatterToRegion,
+                                              copy_to_region, gather_from_region, reduce_from_region, scatter_to_region)
 from parakit.tensor_parallel.random import RNGTracker
 from parakit.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
-__all__ = ["copy_to_region", "reduce_from_region", "scatter_to_region", "gather_from_region",
+__all__ = ["CopyToRegion", "ReduceFromRegion", "ScatterToRegion", "GatherFromRegion", "copy_to_region", "reduce_from_region", "scatter_to_region", "gather_from_region",
            "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention",
            "ParallelTransformerBlock", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
            "RNGTracker", "tp_size_rank"]
