@@ -48,11 +48,12 @@ def where(tensor: torch.Tensor) -> torch.device | None:
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` on `device`: itself (a view) if it is there already, else a copy made there."""
+    """`tensor` on `device`: itself (a view) if it is there already, else a copy made there
+    (a logical device's copy of a CUDA tensor, or a copy to the host, lands on the host)."""
     if where(tensor) == device:
         return tensor.view_as(tensor)
-    if device.type == "cuda":
-        return tensor.to(device, copy=True)
+    if device.type == "cuda" or tensor.is_cuda:
+        return tensor.to(device if device.type == "cuda" else "cpu", copy=True)
     with copying_to(device.index):
         return tensor.clone(memory_format=torch.contiguous_format)
 

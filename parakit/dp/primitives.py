@@ -60,7 +60,7 @@ class Scatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, devices, chunk_sizes, dim, input):
-        ctx.dim, ctx.source = dim, where(input) or devices[0]
+        ctx.dim, ctx.source = dim, where(input) or input.device
         chunks = input.split(chunk_sizes, dim)  # [rows_i, ...] views
         return tuple(to_device(c, d) for c, d in zip(chunks, devices))
 
@@ -93,7 +93,7 @@ class Broadcast(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, devices, *tensors):
-        ctx.sources, ctx.count = [where(t) or devices[0] for t in tensors], len(tensors)
+        ctx.sources, ctx.count = [where(t) or t.device for t in tensors], len(tensors)
         return tuple(to_device(t, d) for d in devices for t in tensors)
 
     @staticmethod
