@@ -86,6 +86,18 @@ def test_balanced_data_parallel_and_dim1_equal_one_device():
                                outputs_and_grads(reference, list(reference.parameters()), x))
 
 
+def test_frozen_parameters_and_buffers_are_copied_without_gradients():
+    reference, model = mlp(8, 16, 5), mlp(8, 16, 5)
+    for m in (reference, model):
+        m[0].requires_grad_(False)
+        m.insert(1, nn.BatchNorm1d(16, affine=False).eval())
+    x = torch.randn(5, 8)
+    expected = outputs_and_grads(reference, list(reference.parameters())[2:], x)
+    got = outputs_and_grads(dp.DataParallel(model, [0, 1, 2]), list(model.parameters())[2:], x)
+    torch.testing.assert_close(got, expected)
+    assert model[0].weight.grad is None and model[0].bias.grad is None
+
+
 def test_loss_in_forward_gives_the_batch_mean_loss_and_its_gradients():
     for trial in range(3):
         batch, gpu0 = random.randint(3, 11), random.randint(0, 2)

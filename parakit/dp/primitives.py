@@ -118,16 +118,17 @@ def scatter(input: torch.Tensor, devices: Sequence[torch.device], chunk_sizes: S
 
 
 def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
-    """One copy of `module` per device; the copies' parameters and buffers come from a
+    """One copy of `module` per device; the copies' trainable parameters come from a
     Broadcast, so their gradients flow back into the module's own parameters."""
-    params, buffers = list(module.parameters()), list(module.buffers())
-    copies = Broadcast.apply(list(devices), *params) if params else ()
-    with torch.no_grad():
-        buffer_copies = [to_device(b, d) for d in devices for b in buffers]
+    trained = [p for p in module.parameters() if p.requires_grad]
+    fixed = [p for p in module.parameters() if not p.requires_grad] + list(module.buffers())
+    copies = Broadcast.apply(list(devices), *trained) if trained else ()
+    with torch.no_grad():  # frozen parameters and buffers: copies without gradients
+        fixed_copies = [to_device(t, d) for d in devices for t in fixed]
     replicas = []
     for i in range(len(devices)):
-        memo = {id(p): c for p, c in zip(params, copies[i * len(params):])}
-        memo.update({id(b): c for b, c in zip(buffers, buffer_copies[i * len(buffers):])})
+        memo = {id(p): c for p, c in zip(trained, copies[i * len(trained):])}
+        memo.update({id(t): c for t, c in zip(fixed, fixed_copies[i * len(fixed):])})
         replicas.append(copy.deepcopy(module, memo))
     return replicas
 
