@@ -222,11 +222,14 @@ def test_on_gpus_equals_torch_data_parallel_and_cpu_accounting_tracks_cuda_peaks
     theirs = outputs_and_grads(nn.DataParallel(model, ids), list(model.parameters()), x)
     torch.testing.assert_close(ours, theirs)
     y = torch.randint(0, 1024, (12 * n, 64), device="cuda")
-    for kwargs in ({}, {"gpu0_bsz": 4}, {"loss_in_forward": True}):
-        cuda = dp.step_peaks(model, x, y, token_loss, ids, **kwargs)
-        cpu = dp.step_peaks(model.cpu(), x.cpu(), y.cpu(), token_loss, logical, **kwargs)
-        model.cuda()
-        assert max(range(n), key=cuda.__getitem__) == max(range(n), key=cpu.__getitem__) == 0, (kwargs, cuda, cpu)
-        # the caching allocator rounds blocks up and keeps cuBLAS workspaces: within 15% of the exact bytes
-        torch.testing.assert_close(torch.tensor(cuda, dtype=torch.float64), torch.tensor(cpu, dtype=torch.float64),
-                                   rtol=0.15, atol=0)
+    variants = ({}, {"gpu0_bsz": 4}, {"loss_in_forward": True})
+    dp.step_peaks(model, x, y, token_loss, ids)  # warm up: cuBLAS workspaces exist before measuring
+    cuda = [dp.step_peaks(model, x, y, token_loss, ids, **kw) for kw in variants]
+    cpu = [dp.step_peaks(model.cpu(), x.cpu(), y.cpu(), token_loss, logical, **kw) for kw in variants]
+    for peaks in (cuda[0], cpu[0]):
+        assert max(range(n), key=peaks.__getitem__) == 0, (cuda, cpu)
+    # what balancing and the loss in forward save on device 0: tens of MB of activations, where the
+    # caching allocator's 512-byte rounding and its persistent workspaces cancel out
+    for k in (1, 2):
+        saved_cuda, saved_cpu = cuda[0][0] - cuda[k][0], cpu[0][0] - cpu[k][0]
+        assert saved_cpu > 0 and abs(saved_cuda - saved_cpu) <= 0.1 * saved_cpu, (variants[k], cuda, cpu)
