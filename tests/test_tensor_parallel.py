@@ -433,3 +433,40 @@ def test_bad_sizes_raise_errors_that_name_them():
     for name, text in expected.items():
         assert text in messages[name], (name, messages[name])
     assert parakit.launch(lambda: 1, world_size=4) == [1] * 4  # the ranks are still usable
+
+
+# ---------------------------------------------------------------- sequence parallelism (stretch)
+
+def _sequence_parallel():
+    import torch.distributed as dist
+    t, r = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(5)
+    norm, mlp = nn.LayerNorm(8), ParallelMLP(8, 16, sequence_parallel=True)
+    torch.manual_seed(5)
+    norm_ref, fc1, fc2 = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
+    x, dy = _draw(1, 2, 4 * t, 8), _draw(2, 2, 4 * t, 8)  # [batch, seq, hidden], the same on every rank
+    mine = x.chunk(t, 1)[r].clone().requires_grad_()  # [batch, seq/t, hidden]
+    with parakit.CommLog() as fwd:
+        y = mlp(norm(mine))
+    with parakit.CommLog() as bwd:
+        y.backward(dy.chunk(t, 1)[r])
+    x_ref = x.clone().requires_grad_()
+    y_ref = fc2(F.gelu(fc1(norm_ref(x_ref))))
+    y_ref.backward(dy)
+    _close(y, y_ref.chunk(t, 1)[r], "sequence-parallel output slice")
+    _close(mine.grad, x_ref.grad.chunk(t, 1)[r], "sequence-parallel dL/dx slice")
+    _close(mlp.fc1.weight.grad, fc1.weight.grad.chunk(t)[r], "dL/dfc1.weight")
+    _close(mlp.fc2.weight.grad, fc2.weight.grad.chunk(t, 1)[r], "dL/dfc2.weight")
+    for got, want in ((mlp.fc2.bias.grad, fc2.bias.grad), (norm.weight.grad, norm_ref.weight.grad)):
+        dist.all_reduce(got)  # replicated parameters in the sequence region: partial over this slice
+        _close(got, want, "replicated parameter's gradient summed over the slices")
+    ops = lambda log: sorted(rec.op for rec in log.records)
+    return ops(fwd), ops(bwd), fwd.wire_bytes(), bwd.wire_bytes()
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_sequence_parallel_mlp_equals_dense_and_sends_the_bytes_of_an_all_reduce(t):
+    full = 2 * 4 * t * 8 * 4  # the [2, 4t, 8] float32 activations
+    for fwd, bwd, fwd_bytes, bwd_bytes in parakit.launch(_sequence_parallel, world_size=t):
+        assert fwd == bwd == ["all_gather_single", "reduce_scatter_single"]
+        assert fwd_bytes == bwd_bytes == 2 * (t - 1) * full // t

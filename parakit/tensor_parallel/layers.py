@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parakit.tensor_parallel.mappings import (copy_to_region, gather_from_region, reduce_from_region,
-                                              scatter_to_region)
+from parakit.tensor_parallel.mappings import (copy_to_region, gather_from_region, gather_from_sequence_region,
+                                              reduce_from_region, reduce_scatter_to_sequence_region, scatter_to_region)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention",
            "ParallelTransformerBlock", "tp_size_rank"]
@@ -59,20 +59,24 @@ class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A's out_features split across the group: weight [out/t, in], bias [out/t].
 
     Input [..., in] replicated on every rank; output [..., out/t] (or [..., out] with
-    gather_output=True, one all-gather of it). Backward all-reduces dL/dx (f).
+    gather_output=True, one all-gather of it). Backward all-reduces dL/dx (f). With
+    sequence_parallel=True the input is this rank's slice of the sequence [batch, seq/t, in],
+    all-gathered forward and reduce-scattered backward instead.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
-                 group=None):
+                 group=None, sequence_parallel: bool = False):
         super().__init__()
         t, rank = tp_size_rank(group)
         _divisible("ColumnParallelLinear", "out_features", out_features, t)
-        self.in_features, self.out_features, self.gather_output, self.group = in_features, out_features, gather_output, group
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.weight, self.bias = _dense_slice(nn.Linear(in_features, out_features, bias=bias), 0, t, rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last("ColumnParallelLinear", x, self.in_features, "in_features")
-        y = F.linear(copy_to_region(x, self.group), self.weight, self.bias)  # [..., out/t]
+        enter = gather_from_sequence_region if self.sequence_parallel else copy_to_region  # [b, s/t, in] -> [b, s, in]
+        y = F.linear(enter(x, self.group), self.weight, self.bias)  # [..., out/t]
         return gather_from_region(y, self.group) if self.gather_output else y  # [..., out] if gathered
 
     def extra_repr(self) -> str:
@@ -85,15 +89,19 @@ class RowParallelLinear(nn.Module):
 
     Input [..., in/t] (input_is_parallel=True) or [..., in] (this rank keeps its chunk);
     output [..., out] on every rank, one all-reduce of it (g). Backward sends nothing,
-    except an all-gather of dL/dx when the input was not parallel.
+    except an all-gather of dL/dx when the input was not parallel. With sequence_parallel=True
+    the sum is reduce-scattered instead: each rank gets its slice [batch, seq/t, out], and
+    the bias's gradient (like a layer norm's in the sequence-parallel region) covers only
+    that slice: all-reduce it over the group before the optimizer step.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
-                 group=None):
+                 group=None, sequence_parallel: bool = False):
         super().__init__()
         t, rank = tp_size_rank(group)
         _divisible("RowParallelLinear", "in_features", in_features, t)
-        self.in_features, self.out_features, self.input_is_parallel, self.group = in_features, out_features, input_is_parallel, group
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.weight, self.bias = _dense_slice(nn.Linear(in_features, out_features, bias=bias), 1, t, rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,22 +111,28 @@ class RowParallelLinear(nn.Module):
         else:
             _check_last("RowParallelLinear", x, self.in_features, "in_features, input_is_parallel=False")
             x = scatter_to_region(x, self.group)  # [..., in/t]
-        y = reduce_from_region(F.linear(x, self.weight), self.group)  # [..., out]
+        leave = reduce_scatter_to_sequence_region if self.sequence_parallel else reduce_from_region
+        y = leave(F.linear(x, self.weight), self.group)  # [..., out], or [batch, seq/t, out]
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}/t, out_features={self.out_features}, input_is_parallel={self.input_is_parallel}"
+        return (f"in_features={self.in_features}/t, out_features={self.out_features}, "
+                f"input_is_parallel={self.input_is_parallel}")
 
 
 class ParallelMLP(nn.Module):
     """Column (hidden -> ffn/t), GELU, row (ffn/t -> hidden): [..., hidden] -> [..., hidden].
-    One all-reduce of the output forward, one of the input gradient backward."""
+    One all-reduce of the output forward, one of the input gradient backward; with
+    sequence_parallel, [batch, seq/t, hidden] in and out, and an all-gather plus a
+    reduce-scatter each way instead."""
 
-    def __init__(self, hidden: int, ffn_hidden: int | None = None, group=None):
+    def __init__(self, hidden: int, ffn_hidden: int | None = None, group=None, sequence_parallel: bool = False):
         super().__init__()
         ffn_hidden = ffn_hidden or 4 * hidden
-        self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, gather_output=False, group=group)
-        self.fc2 = RowParallelLinear(ffn_hidden, hidden, input_is_parallel=True, group=group)
+        self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, gather_output=False, group=group,
+                                        sequence_parallel=sequence_parallel)
+        self.fc2 = RowParallelLinear(ffn_hidden, hidden, input_is_parallel=True, group=group,
+                                     sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))  # fc1: [..., ffn/t], fc2: [..., hidden]

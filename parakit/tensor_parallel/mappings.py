@@ -5,11 +5,17 @@
        scatter_to_region   forward: keep my last-dim chunk  backward: all-gather
        gather_from_region  forward: all-gather (last dim)   backward: keep my chunk
 
+       gather_from_sequence_region   forward: all-gather (seq)   backward: reduce-scatter
+       reduce_scatter_to_sequence_region  forward: reduce-scatter (seq)  backward: all-gather
+
 f and g are conjugate: where one communicates in forward, the other communicates in
 backward. A column-parallel layer starts with f, a row-parallel layer ends with g, so a
 column layer followed by a row layer costs one all-reduce forward and one backward.
 `group` is the tensor-parallel process group (None: the world). On a group of one rank
-every operator is the identity and sends nothing.
+every operator is the identity and sends nothing. The sequence-parallel pair replaces f and
+g when the regions between blocks (layer norm, dropout) hold a slice of the sequence
+([batch, seq/t, hidden]) instead of a replica: an all-reduce is a reduce-scatter followed by
+an all-gather, and the same bytes are sent.
 """
 from __future__ import annotations
 
@@ -17,7 +23,9 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["copy_to_region", "reduce_from_region", "scatter_to_region", "gather_from_region",
-           "CopyToRegion", "ReduceFromRegion", "ScatterToRegion", "GatherFromRegion"]
+           "gather_from_sequence_region", "reduce_scatter_to_sequence_region",
+           "CopyToRegion", "ReduceFromRegion", "ScatterToRegion", "GatherFromRegion",
+           "GatherFromSequenceRegion", "ReduceScatterToSequenceRegion"]
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -48,6 +56,33 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty((t, *x.shape[1:]), dtype=x.dtype, device=x.device)  # [t, ..., d]
     dist.all_gather_single(out, x, group=group)
     return out.movedim(0, -2).reshape(*x.shape[1:-1], t * x.shape[-1])  # [..., t*d]
+
+
+def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """[b, s/t, h] -> [b, s, h], the ranks' slices in rank order: each rank sends its
+    x.nbytes to each of the t-1 others (all_gather_single)."""
+    t = dist.get_world_size(group)
+    if t == 1:
+        return x
+    x = x.movedim(1, 0).contiguous()  # [s/t, b, h]
+    out = torch.empty((t * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # [s, b, h]
+    dist.all_gather_single(out, x, group=group)
+    return out.movedim(0, 1)  # [b, s, h]
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """[b, s, h] summed over the group, this rank's slice [b, s/t, h]: each rank sends
+    (t-1)/t * x.nbytes (reduce_scatter_single)."""
+    t = dist.get_world_size(group)
+    if t == 1:
+        return x
+    if x.shape[1] % t:
+        raise ValueError(f"sequence length {x.shape[1]} is not divisible by the tensor-parallel size {t}: "
+                         f"make it a multiple of {t}")
+    x = x.movedim(1, 0).contiguous()  # [s, b, h]
+    out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype, device=x.device)  # [s/t, b, h]
+    dist.reduce_scatter_single(out, x, group=group)
+    return out.movedim(0, 1)  # [b, s/t, h]
 
 
 class CopyToRegion(torch.autograd.Function):
@@ -101,6 +136,32 @@ class GatherFromRegion(torch.autograd.Function):
         return _split_last(grad, ctx.group), None
 
 
+class GatherFromSequenceRegion(torch.autograd.Function):
+    """Sequence parallel's f: enter a region from a sequence slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # every rank holds a partial dL/dx of the whole sequence: sum, keep my slice
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class ReduceScatterToSequenceRegion(torch.autograd.Function):
+    """Sequence parallel's g: leave a region by summing the partial outputs, each rank keeping its slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group), None
+
+
 def copy_to_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """f. Forward sends nothing; backward all-reduces dL/dx (2(t-1)/t * x.nbytes per rank)."""
     return CopyToRegion.apply(x, group)
@@ -121,3 +182,15 @@ def gather_from_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """[..., d/t] -> [..., d]. Forward all-gathers x (each rank sends x.nbytes to the t-1
     others); backward sends nothing."""
     return GatherFromRegion.apply(x, group)
+
+
+def gather_from_sequence_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """[batch, seq/t, hidden] -> [batch, seq, hidden]. Forward all-gathers x (each rank sends
+    x.nbytes to the t-1 others); backward reduce-scatters dL/dx ((t-1)/t of the full gradient)."""
+    return GatherFromSequenceRegion.apply(x, group)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """[batch, seq, hidden] partial sums -> this rank's [batch, seq/t, hidden] of the sum.
+    Forward reduce-scatters ((t-1)/t * x.nbytes per rank); backward all-gathers dL/dy."""
+    return ReduceScatterToSequenceRegion.apply(x, group)
