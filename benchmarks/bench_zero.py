@@ -1,0 +1,136 @@
+"""ZeRO: parakit's ShardedOptimizer (stages 1 and 2) against torch's DDP + ZeroRedundancyOptimizer,
+and parakit's FullyShardedDataParallel against torch's FSDP2 (`fully_shard`), on the same
+model, data and AdamW.
+
+    .venv/bin/python benchmarks/bench_zero.py [--ranks 4] [--layers 4] [--hidden 512] [--steps 5]
+
+On N gloo ranks, a stack of Linear(hidden, hidden) + ReLU layers (each layer a unit for the
+FSDPs), a batch of 16 rows per rank: the median step time of each (a barrier before every
+step) and parakit's over torch's; the bytes of parameters, gradients and optimizer state each
+rank holds after the step (local shards walked for both), parakit's over torch's; parakit's
+peak during one more, untimed step (zero.MemoryMeter; torch keeps its gathered buffers inside FSDP2, where
+they cannot be walked, so its peak is not compared); parakit's bytes against the ZeRO table.
+The issue's bars are marked PASS or FAIL; nothing is asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import parakit
+from parakit import zero
+
+SETUPS = ["DDP + AdamW", "ZeRO-1", "ZeRO-2", "ZeRO-3"]  # the first is torch's DDP on both sides: the reference row
+
+
+def local_bytes(tensors) -> int:
+    """Bytes of this rank's part of each tensor (a DTensor's local shard), each storage once."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}.values())
+
+
+def build(setup: str, ours: bool, layers: int, hidden: int):
+    """The model and optimizer of `setup`, parakit's or torch's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU()) for _ in range(layers)])
+    if setup == "ZeRO-3" and ours:
+        model = zero.FullyShardedDataParallel(net, units=list(net))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if setup == "ZeRO-3":
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for unit in [*net, net]:
+            fully_shard(unit, mesh=mesh)
+        return net, torch.optim.AdamW(net.parameters(), lr=1e-3)
+    if setup in ("ZeRO-1", "ZeRO-2") and ours:
+        return net, zero.ShardedOptimizer(net.parameters(), torch.optim.AdamW, stage=int(setup[-1]), lr=1e-3)
+    model = DistributedDataParallel(net)
+    if setup == "DDP + AdamW":
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+
+
+def on_ranks(setup, ours, layers, hidden, steps):
+    """Step times, bytes held after the last step, and (parakit's) peak during it."""
+    model, optimizer = build(setup, ours, layers, hidden)
+    x, y = torch.randn(16, hidden), torch.randn(16, hidden)
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        if setup == "ZeRO-3" and ours:
+            model.finish_gradient_synchronization()
+        optimizer.step()
+
+    times = []
+    for _ in range(steps + 1):  # the first step warms up (and creates the optimizer state)
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    peak = None
+    if ours:  # one more step, metered (the meter samples before and after every op: not timed)
+        with zero.MemoryMeter(model, optimizer) as meter:
+            step()
+        peak = meter.peak_total
+    state = getattr(optimizer, "optim", optimizer).state  # ZeroRedundancyOptimizer keeps its shard in .optim
+    params = list(model.parameters())
+    rest = {"parameters": local_bytes(params), "gradients": local_bytes([p.grad for p in params if p.grad is not None]),
+            "optimizer": local_bytes([t for s in state.values() for t in s.values() if isinstance(t, torch.Tensor)])}
+    return times[1:], rest, peak
+
+
+def mark(ok):
+    return "PASS" if ok else "FAIL"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up)")
+    options = parser.parse_args()
+    n, psi = options.ranks, options.layers * (options.hidden + 1) * options.hidden
+    rows = []
+    for stage, setup in enumerate(SETUPS):
+        args = (options.layers, options.hidden, options.steps)
+        ours = parakit.launch(on_ranks, setup, True, *args, world_size=n, timeout=600)
+        theirs = ours if setup == "DDP + AdamW" else parakit.launch(on_ranks, setup, False, *args, world_size=n, timeout=600)
+        step = [statistics.median(max(r[0][k] for r in results) for k in range(options.steps)) for results in (ours, theirs)]
+        held = [max(sum(r[1].values()) for r in results) for results in (ours, theirs)]
+        formula = sum(zero.zero_bytes(psi, n, stage, k=8, param_bytes=4, grad_bytes=4).values())
+        against = "itself" if setup == "DDP + AdamW" else ("fully_shard" if stage == 3 else "ZeroRedundancyOptimizer")
+        rows += [(f"{setup}: parakit step", f"{step[0] * 1e3:10.1f} ms", "", ""),
+                 (f"{setup}: parakit / torch ({against}) step time", f"{step[0] / step[1]:10.2f} x ", "", ""),
+                 (f"{setup}: bytes held per rank at rest, parakit (max)", f"{held[0]:12,d}", "", ""),
+                 (f"{setup}: ... parakit / torch", f"{held[0] / held[1]:10.2f} x ", "", ""),
+                 (f"{setup}: ... parakit / ZeRO table (fp32, K = 8)", f"{held[0] / formula:10.3f} x ", "", ""),
+                 (f"{setup}: parakit peak during the step (max)", f"{max(r[2] for r in ours):12,d}", "", "")]
+        if stage == 1:
+            largest = 8 * options.hidden ** 2 + 4
+            off = max(abs(r[1]["optimizer"] - (8 * psi + 8 * options.layers) / n) for r in ours)
+            rows.append(("ZeRO-1 optimizer state per rank - total/N", f"{off:12,.0f}", f"<= {largest:,}", mark(off <= largest)))
+        if stage == 3:
+            off = max(r[1]["parameters"] - 4 * psi / n for r in ours)
+            rows.append(("ZeRO-3 parameter bytes at rest - 4 Psi/N", f"{off:12,.0f}", f"< {4 * options.layers * n}",
+                         mark(0 <= off < 4 * options.layers * n)))
+    print(f"ZeRO on {n} gloo ranks, {options.layers} x Linear({options.hidden}), Psi = {psi:,}, AdamW, fp32 -- torch "
+          f"{torch.__version__}, {os.cpu_count()} CPU cores, median of {options.steps} steps")
+    width = max(len(r[0]) for r in rows)
+    for name, value, bar, verdict in rows:
+        print(f"  {name:<{width}}  {value:>14}  {bar:>12}  {verdict}")
+
+
+if __name__ == "__main__":
+    main()
