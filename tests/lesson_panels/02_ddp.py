@@ -37,4 +37,4 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
         extra=[panel.Student("borrower", {name: panel.with_sources(full, borrowed)}, dict.fromkeys(pts, 0.0))])
 
 
-LESSON = panel.Lesson(REPO / "solutions" / "02_ddp.ipynb", students, timeout=90)
+LESSON = panel.Lesson(REPO / "solutions" / "02_ddp.ipynb", students, timeout=60)
