@@ -24,8 +24,8 @@ class ShardedOptimizer:
     """ZeRO-1 (stage=1) or ZeRO-2 (stage=2) around any torch.optim class.
 
     `params`: tensors or param-group dicts, as for `optimizer_cls`; gradients are this rank's
-    own (no DDP): the optimizer averages them. Each rank keeps the state of its parameters
-    only; `state_dict()` gathers the whole state, as `optimizer_cls` would save it.
+    own (no DDP): the optimizer averages them, so every rank must give gradients to the same
+    parameters. Each rank keeps the state of its parameters only; `state_dict()` gathers the whole state, as `optimizer_cls` would save it.
     """
 
     def __init__(self, params, optimizer_cls, *, stage: int = 1, group=None, **defaults):
@@ -40,13 +40,19 @@ class ShardedOptimizer:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.params = [p for g in groups for p in g["params"]]
         self.owners = partition_parameters([g["params"] for g in groups], self.world_size)
-        self._owner = {id(p): o for p, o in zip(self.params, self.owners)}
-        mine = [{**g, "params": [p for p in g["params"] if self._owner[id(p)] == self.rank]} for g in groups]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        mine = [{**g, "params": [p for p in g["params"] if self._owner_of(p) == self.rank]} for g in groups]
         self.optimizer = optimizer_cls(mine, **defaults)
         self.param_groups = [{**local, "params": g["params"]} for local, g in zip(self.optimizer.param_groups, groups)]
-        self._index = {id(p): i for i, p in enumerate(self.params)}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._reduce_gradient)
-                       for p in self.params if stage == 2 and p.requires_grad]
+        for p in self.params:
+            if stage == 2 and p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._reduce_gradient)
+
+    def _owner_of(self, param: torch.Tensor) -> int:
+        return self.owners[self._index[id(param)]]
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     @property
     def state(self):
@@ -56,9 +62,9 @@ class ShardedOptimizer:
     def _reduce_gradient(self, param: torch.Tensor) -> None:
         """Averages `param.grad` onto its owner: each rank divides by N and the sum is reduced
         to the owner (its bytes, along a chain); the other ranks drop their copy at stage 2."""
-        owner = self._owner[id(param)]
+        owner = self._owner_of(param)
         param.grad.div_(self.world_size)
-        dist.reduce(param.grad, dist.get_global_rank(self.group, owner) if self.group else owner, group=self.group)
+        dist.reduce(param.grad, self._global(owner), group=self.group)
         if owner != self.rank and self.stage == 2:
             param.grad = None
 
@@ -74,7 +80,7 @@ class ShardedOptimizer:
             local.update({k: v for k, v in full.items() if k != "params"})
         loss = self.optimizer.step(closure)
         for p, owner in zip(self.params, self.owners):
-            dist.broadcast(p, dist.get_global_rank(self.group, owner) if self.group else owner, group=self.group)
+            dist.broadcast(p, self._global(owner), group=self.group)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
