@@ -54,4 +54,4 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
         extra=[panel.Student("borrower", {name: panel.with_sources(full, borrowed)}, dict.fromkeys(pts, 0.0))])
 
 
-LESSON = panel.Lesson(REPO / "solutions" / "03_zero.ipynb", students, timeout=60)
+LESSON = panel.Lesson(REPO / "solutions" / "03_zero.ipynb", students, timeout=45)
