@@ -513,3 +513,68 @@ def zero_calculator(billions: float = 7.5, n: int = 64, k: int = 12, stage: int 
     ax.set_xlim(0, 1.25 * (param_bytes + grad_bytes + k) * billions)
     fig.tight_layout()
     return fig
+
+
+# ---------------------------------------------------------------- lesson 05: activation checkpointing
+
+def checkpoint_plan(n: int = 16, segments: int = 4):
+    """n layers in `segments` checkpointed segments (`checkpoint.segment_sizes`). Top: the
+    activation after each layer, kept by the forward (segment inputs) or dropped and
+    recomputed in the backward. Bottom: activations held at the peak, k + n/k, against k."""
+    from parakit import checkpoint
+
+    sizes = checkpoint.segment_sizes(n, segments)
+    kept = {sum(sizes[:s]) for s in range(segments)}
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 4.6), gridspec_kw={"height_ratios": [1, 2.2]})
+    for i in range(n + 1):
+        colour = "#264653" if i in kept else ("#ffffff" if i < n else "#bbbbbb")
+        top.add_patch(plt.Rectangle((i, 0), 0.9, 0.9, facecolor=colour, edgecolor="#264653",
+                                    hatch=None if i in kept or i == n else "//"))
+    for start in sorted(kept)[1:]:
+        top.axvline(start - 0.05, color="#e76f51", linewidth=2)
+    top.set_xlim(-0.2, n + 1)
+    top.set_ylim(-0.1, 1)
+    top.axis("off")
+    top.set_title(f"{n} layers, {segments} segments: {segments} activations kept (dark), "
+                  f"{n - segments} recomputed (hatched), sizes {sizes}", fontsize=9)
+    ks = range(1, n + 1)
+    bottom.plot(ks, [k + n / k for k in ks], color="#e76f51", label="k + n/k")
+    bottom.plot(ks, [checkpoint.peak_units(n, k) for k in ks], "o", color="#264653", markersize=4,
+                label="peak_units(n, k): whole segments")
+    bottom.axhline(n + 1, color="#999999", linestyle="--", label=f"no checkpointing: n + 1 = {n + 1}")
+    best = checkpoint.best_segments(n)
+    bottom.plot([segments], [checkpoint.peak_units(n, segments)], "s", color="#2a9d8f", markersize=10,
+                label=f"k = {segments}", zorder=0)
+    bottom.set_xlabel(f"segments k (best: {best}, sqrt(n) = {n ** 0.5:.1f})")
+    bottom.set_ylabel("activations held at the peak")
+    bottom.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def checkpoint_curve(segments: Sequence[int], forward: Sequence[float], peak: Sequence[float],
+                     step_ms: Sequence[float], *, n: int, plain_ms: float, predicted_ms: float):
+    """Measured saved bytes (in activations: forward and peak) and step time against the
+    number of segments, with the theory drawn over them: k and k + n/k activations against
+    n + 1 unchecked; one extra forward per step."""
+    fig, (memory, speed) = plt.subplots(1, 2, figsize=(10, 3.4))
+    ks = range(1, max(segments) + 1)
+    memory.plot(ks, [k + n / k for k in ks], color="#e76f51", label="theory: peak k + n/k")
+    memory.plot(ks, list(ks), color="#f4a261", label="theory: forward keeps k")
+    memory.plot(segments, peak, "o", color="#264653", label="measured peak")
+    memory.plot(segments, forward, "s", color="#2a9d8f", label="measured after forward")
+    memory.axhline(n + 1, color="#999999", linestyle="--", label="no checkpointing")
+    memory.set_xlabel("segments k")
+    memory.set_ylabel("saved activations [batch, hidden]")
+    memory.set_title(f"{n} layers: what autograd saves", fontsize=10)
+    memory.legend(fontsize=7)
+    speed.plot(segments, step_ms, "o", color="#264653", label="measured")
+    speed.axhline(predicted_ms, color="#e76f51", label="theory: plain + one forward")
+    speed.axhline(plain_ms, color="#999999", linestyle="--", label="no checkpointing")
+    speed.set_ylim(0, max(max(step_ms), predicted_ms) * 1.2)
+    speed.set_xlabel("segments k")
+    speed.set_ylabel("ms per step (median)")
+    speed.set_title("what it costs in time", fontsize=10)
+    speed.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
