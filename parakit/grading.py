@@ -15,6 +15,7 @@ import copy
 import inspect
 import random
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -116,12 +117,15 @@ def _call_guarded(fn, args, forbid: dict[Callable, str]):
             tripped.append(codes[frame.f_code])
             raise Tripwire(_trip_message(fn, *codes[frame.f_code]))
 
-    previous = sys.getprofile()
-    sys.setprofile(watch if codes else previous)
+    previous, previous_threads = sys.getprofile(), threading.getprofile()
+    if codes:  # this thread, and the threads fn starts (DataParallel's workers, say)
+        sys.setprofile(watch)
+        threading.setprofile(watch)
     try:
         result = fn(*args)
     finally:
         sys.setprofile(previous)
+        threading.setprofile(previous_threads)
     if tripped:  # the student caught the Tripwire and went on
         raise Tripwire(_trip_message(fn, *tripped[0]))
     return result

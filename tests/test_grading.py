@@ -1,4 +1,6 @@
 """parakit.grading: the checks behind every lesson's test cells, and their tripwires."""
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -93,3 +95,24 @@ def test_check_local_compares_and_trips():
     with pytest.raises(grading.Tripwire, match="ring_bytes"):
         grading.check_local(lambda m, n: float(comm.ring_bytes("all_reduce", m, n)), lambda m, n: 2 * (n - 1) / n * m,
                             [(1024, 4)], forbid={comm.ring_bytes: "use the formula"})
+
+
+def test_tripwire_sees_calls_from_threads_the_student_starts():
+    def in_a_thread(m, n):
+        results = []
+
+        def work():
+            try:
+                results.append(float(comm.ring_bytes("all_reduce", m, n)))
+            except grading.Tripwire:  # caught in the thread: the check still fails
+                pass
+
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join()
+        return results[0] if results else 0.0
+
+    with pytest.raises(grading.Tripwire, match="ring_bytes"):
+        grading.check_local(in_a_thread, lambda m, n: 2 * (n - 1) / n * m, [(1024, 4)],
+                            forbid={comm.ring_bytes: "use the formula"})
+    assert threading.getprofile() is None
