@@ -8,8 +8,9 @@ Each step: the pipeline (`parakit.pipeline.dp_pp_step`) runs this replica's shar
 batch through the stages of its pp group, micro-batch by micro-batch, with activations and
 their gradients sent between stages; inside every block the tp group all-reduces
 (tensor-parallel attention and MLP, `parakit.tensor_parallel`, when tp > 1); after the last
-micro-batch the dp group all-reduces the stage gradients once. The model is built from one
-seed and sharded, so any mesh trains the same numbers as one process (--dp 1 --pp 1 --tp 1).
+micro-batch's backward parakit's BucketedDDP all-reduces the stage gradients over the dp
+group, bucket by bucket, once per step. The model is built from one seed and sharded, so
+any mesh trains the same numbers as one process (--dp 1 --pp 1 --tp 1).
 The data is synthetic and drawn from (seed, step), so a resumed run sees the same batches.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parakit.ddp import BucketedDDP
 from parakit.launcher import device
 from parakit.mesh import Mesh
 from parakit.pipeline import dp_pp_step, split_stages
@@ -36,6 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                           ("hidden", 32), ("heads", 4), ("layers", 2), ("microbatches", 2), ("seed", 0)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="BucketedDDP's bucket size for the dp all-reduces")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
     p.add_argument("--backend", default="auto", help="gloo, nccl, or auto: nccl when each rank has a GPU")
     p.add_argument("--save", type=Path, help="folder for a checkpoint after the last step")
@@ -169,11 +172,12 @@ def train(args) -> list[float]:
     mine = nn.ModuleList(split_stages(model, balance)[mesh.pp_rank])
     optimizer = torch.optim.AdamW(mine.parameters(), lr=args.lr)
     first = _load(args.resume, mine, optimizer, mesh.rank) if args.resume else 0
+    replica = BucketedDDP(mine, args.bucket_mb, process_group=mesh.dp_group)  # averages over the dp group
     losses = []
     for step in range(first, first + args.steps):
         ids, target = (t.chunk(args.dp)[mesh.dp_rank] for t in batch_for(step, args))  # [batch/dp, seq]
         optimizer.zero_grad(set_to_none=True)
-        loss = dp_pp_step(model, balance, ids, target, _lm_loss, pp_group=mesh.pp_group, dp_group=mesh.dp_group,
+        loss = dp_pp_step(model, balance, ids, target, _lm_loss, pp_group=mesh.pp_group, replica=replica,
                           schedule=args.schedule, num_microbatches=args.microbatches)
         optimizer.step()
         losses.append(_global_loss(loss, mesh))

@@ -14,6 +14,7 @@ from torch import nn
 
 import parakit
 from parakit import CommLog
+from parakit.ddp import BucketedDDP
 from parakit.pipeline import (activation_shapes, build_schedule, dp_pp_step, pipeline_step, run_schedule, simulate,
                               split_microbatches, split_stages)
 
@@ -136,30 +137,45 @@ def test_loss_and_gradients_match_torch_distributed_pipelining(schedule):
             torch.testing.assert_close(loss, torch_loss)
 
 
-def dp_pp(model, x, y):
+def dp_pp(model, x, y, bucket_size_mb):
     """2 pipelines of 2 ranks each ({0,1} and {2,3}); replica d gets half d of the batch."""
     rank = dist.get_rank()
     pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     replica = rank // 2
+    stage = BucketedDDP(split_stages(model, [2, 2])[rank % 2], bucket_size_mb, process_group=dp_groups[rank % 2])
     with CommLog() as log:
         dp_pp_step(model, [2, 2], x.chunk(2)[replica], y.chunk(2)[replica], F.mse_loss,
-                   pp_group=pp_groups[replica], dp_group=dp_groups[rank % 2], num_microbatches=4)
+                   pp_group=pp_groups[replica], replica=stage, num_microbatches=4)
     return [q.grad for q in model.parameters()], log.count("all_reduce"), log.nbytes("all_reduce")
 
 
-def test_dp_x_pp_equals_one_process_with_one_all_reduce_per_step():
+@pytest.mark.parametrize("bucket_size_mb, buckets", [(None, 1), (1e-4, 4)])  # 1e-4 MB: a bucket per tensor
+def test_dp_x_pp_equals_one_process_with_the_buckets_reduced_once_per_step(bucket_size_mb, buckets):
     model, x, y = mlp(4, int(torch.randint(2**31, ()))), torch.randn(16, HIDDEN), torch.randn(16, HIDDEN)
     _, want = reference(model, x, y)
     stage_bytes = 2 * (HIDDEN * HIDDEN + HIDDEN) * 4  # two Linear layers per stage, fp32
-    for rank, (grads, all_reduces, nbytes) in enumerate(parakit.launch(dp_pp, model, x, y, world_size=4)):
-        assert (all_reduces, nbytes) == (1, stage_bytes)
+    for rank, (grads, all_reduces, nbytes) in enumerate(parakit.launch(dp_pp, model, x, y, bucket_size_mb,
+                                                                       world_size=4)):
+        assert (all_reduces, nbytes) == (buckets, stage_bytes)  # not once per micro-batch
         stage = rank % 2
         for i, (g, g_ref) in enumerate(zip(grads, want)):
             if i // 4 == stage:
                 torch.testing.assert_close(g, g_ref)
             else:
                 assert g is None
+
+
+def replica_of_the_wrong_stage():
+    model = mlp(2, 0)
+    stage = BucketedDDP(copy.deepcopy(split_stages(model, [1, 1])[dist.get_rank()]))  # a copy, not the stage
+    dp_pp_step(model, [1, 1], torch.randn(4, HIDDEN), torch.randn(4, HIDDEN), F.mse_loss, pp_group=None,
+               replica=stage, num_microbatches=2)
+
+
+def test_a_replica_that_does_not_wrap_this_ranks_stages_is_refused():
+    with pytest.raises(parakit.launcher.RankError, match=r"misses 2 of this rank's stages \[0\]"):
+        parakit.launch(replica_of_the_wrong_stage, world_size=2)
 
 
 def wrong_stage_count():

@@ -9,6 +9,7 @@ by 1/m, so that each stage's gradients equal those of one process on the whole b
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -61,7 +62,7 @@ def activation_shapes(stages: list[nn.Module], microbatch: torch.Tensor) -> list
 class _Runner:
     """One rank's state while it runs its actions."""
 
-    def __init__(self, schedule, stages, microbatches, targets, loss_fn, shapes, group):
+    def __init__(self, schedule, stages, microbatches, targets, loss_fn, shapes, group, replica):
         self.schedule, self.stages, self.shapes, self.group = schedule, stages, shapes, group
         self.microbatches, self.targets, self.loss_fn = microbatches, targets, loss_fn
         self.rank = dist.get_rank(group) if schedule.num_ranks > 1 else 0
@@ -69,6 +70,8 @@ class _Runner:
         self.outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # results another rank needs
         self.stored: dict[tuple[int, int], tuple] = {}  # (stage, i) -> (input, output) kept for backward
         self.sends, self.loss, self.peak = [], None, 0
+        self.replica = replica  # a parakit.ddp wrapper of this rank's stages, or None
+        self.last_backward = {a.stage: a.microbatch for a in schedule.actions[self.rank] if a.op == "B"}
 
     def F(self, a: Action) -> None:
         last = a.stage == self.schedule.num_stages - 1
@@ -85,9 +88,14 @@ class _Runner:
     def B(self, a: Action) -> None:
         x, y = self.stored.pop((a.stage, a.microbatch))
         grad = None if a.stage == self.schedule.num_stages - 1 else self.inbox.pop(("B", a.stage, a.microbatch))
-        torch.autograd.backward(y, grad)
+        with self._synchronised_if(a.microbatch == self.last_backward[a.stage]):
+            torch.autograd.backward(y, grad)
         if a.stage > 0:
             self._hand_on("B", a.stage - 1, a.microbatch, x.grad)
+
+    def _synchronised_if(self, last: bool):
+        """The replica's gradient hooks fire only in a stage's last backward of the step."""
+        return self.replica.no_sync() if self.replica is not None and not last else contextlib.nullcontext()
 
     def _hand_on(self, op: str, stage: int, i: int, tensor: torch.Tensor) -> None:
         """Keep a result for `stage`: in this rank's inbox if it runs there, else to send."""
@@ -111,12 +119,13 @@ class _Runner:
 
 
 def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], microbatches, targets, loss_fn,
-                 shapes, group=None) -> RankRun:
+                 shapes, group=None, replica=None) -> RankRun:
     """Run this rank's actions of `schedule`; `stages` maps the stage indices of this rank
     to their modules, `shapes` is `activation_shapes` of the whole model. Each send or
     receive moves one micro-batch's activation (or gradient) between two ranks of `group`:
-    prod(shape) x dtype bytes. Gradients accumulate in the stages' parameters."""
-    runner = _Runner(schedule, stages, microbatches, targets, loss_fn, shapes, group)
+    prod(shape) x dtype bytes. Gradients accumulate in the stages' parameters; `replica` (see
+    `dp_pp_step`) synchronises them in each stage's last backward."""
+    runner = _Runner(schedule, stages, microbatches, targets, loss_fn, shapes, group, replica)
     timed = device().type == "cuda"
     events = []
     for a in schedule.actions[runner.rank]:
@@ -146,7 +155,7 @@ def pipeline_step(model, balance, batch, target, loss_fn, schedule: str = "1f1b"
 
 
 def pipeline_run(model, balance, batch, target, loss_fn, schedule: str = "1f1b", num_microbatches: int | None = None,
-                 group=None) -> RankRun:
+                 group=None, replica=None) -> RankRun:
     """`pipeline_step`, returning this rank's `RankRun` (its measured events and peak
     stored activations) instead of the loss alone."""
     p = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -156,7 +165,18 @@ def pipeline_run(model, balance, batch, target, loss_fn, schedule: str = "1f1b",
     microbatches, targets = split_microbatches(batch, m), split_microbatches(target, m)
     rank = dist.get_rank(group) if p > 1 else 0
     mine = {s: stages[s] for s in range(rank, len(stages), p)}
-    return run_schedule(plan, mine, microbatches, targets, loss_fn, activation_shapes(stages, microbatches[0]), group)
+    if replica is not None:
+        _check_replica(replica, mine)
+    return run_schedule(plan, mine, microbatches, targets, loss_fn, activation_shapes(stages, microbatches[0]), group,
+                        replica)
+
+
+def _check_replica(replica, mine: dict[int, nn.Module]) -> None:
+    wrapped = {id(q) for q in replica.module.parameters()}
+    missing = sum(id(q) not in wrapped for stage in mine.values() for q in stage.parameters())
+    if missing:
+        raise ValueError(f"the replica wraps {len(wrapped)} parameters but misses {missing} of this rank's stages "
+                         f"{sorted(mine)}: wrap exactly this rank's stages (split_stages(model, balance)[rank::p])")
 
 
 def _plan(schedule: str | Schedule, p: int, num_stages: int, num_microbatches: int | None) -> Schedule:
@@ -180,18 +200,15 @@ def timeline_of(runs: list[RankRun]) -> Timeline:
     return Timeline(len(runs), [e for run in runs for e in run.events], [run.peak_activations for run in runs])
 
 
-def dp_pp_step(model, balance, batch, target, loss_fn, *, pp_group, dp_group, schedule: str = "1f1b",
+def dp_pp_step(model, balance, batch, target, loss_fn, *, pp_group, replica, schedule: str = "1f1b",
                num_microbatches: int | None = None):
-    """DP x PP: `pipeline_step` of this replica's `batch` on `pp_group`, then one all-reduce
-    over `dp_group` of this rank's stage gradients (flattened into one buffer: 4 bytes per
-    parameter of its stages, in fp32), averaged: once per step, after the last micro-batch.
-    Every replica gets the same share of the global batch; returns this pipeline's loss."""
-    loss = pipeline_step(model, balance, batch, target, loss_fn, schedule, num_microbatches, pp_group)
-    p, rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
-    grads = [q.grad for stage in split_stages(model, balance)[rank::p] for q in stage.parameters() if q.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])  # [parameters of this rank's stages]
-    dist.all_reduce(flat, group=dp_group)
-    flat /= dist.get_world_size(dp_group)
-    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(piece.view_as(g))
+    """DP x PP: `pipeline_step` of this replica's `batch` on `pp_group`, with this rank's stage
+    gradients averaged over the data-parallel group by `replica`, a `parakit.ddp` wrapper of
+    those stages on that group (say `BucketedDDP(stage, process_group=dp_group)`, made once).
+    Its hooks stay quiet in every micro-batch's backward but a stage's last, which launches
+    the all-reduces (one per bucket, overlapping the rest of that backward); sends what the
+    wrapper sends, once per step. Every replica gets the same share of the global batch;
+    returns this pipeline's loss."""
+    loss = pipeline_run(model, balance, batch, target, loss_fn, schedule, num_microbatches, pp_group, replica).loss
+    replica.finish_gradient_synchronization()
     return loss
