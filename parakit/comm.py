@@ -119,11 +119,20 @@ _OPS = {
 
 
 def _nbytes(value) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+
+def _on_meta(bound, tensor_args) -> bool:
+    tensors = [t for a in tensor_args for t in _tensors(bound.get(a))]
+    return bool(tensors) and all(t.is_meta for t in tensors)
+
+
+def _tensors(value) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        return [value]
     if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    return 0
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def _wrap(name: str, fn):
@@ -147,9 +156,10 @@ def _wrap(name: str, fn):
             TRACKER.last, TRACKER.current = current[:3], None
             if _OPEN_LOGS:
                 bound = bound or signature.bind_partial(*args, **kwargs).arguments
-                record = _record(name, bound, tensor_args, peer, root_arg, seconds)
-                for log in list(_OPEN_LOGS):
-                    log.records.append(record)
+                if not _on_meta(bound, tensor_args):  # meta tensors (shape propagation) move no bytes
+                    record = _record(name, bound, tensor_args, peer, root_arg, seconds)
+                    for log in list(_OPEN_LOGS):
+                        log.records.append(record)
 
     metered.__wrapped__ = fn
     metered.__doc__ = fn.__doc__

@@ -110,6 +110,17 @@ def test_every_open_log_records_each_call():
         (["all_reduce", "broadcast", "barrier"], ["broadcast"])] * 2
 
 
+def meta_and_real_all_reduce():
+    with CommLog() as log:
+        dist.all_reduce(torch.empty(1000, device="meta"))  # shape propagation: nothing moves
+        dist.all_reduce(torch.ones(4))
+    return [(r.op, r.nbytes) for r in log.records]
+
+
+def test_calls_on_meta_tensors_are_not_recorded():
+    assert parakit.launch(meta_and_real_all_reduce, world_size=2) == [[("all_reduce", 16)]] * 2
+
+
 def rooted_calls_on_a_subgroup():
     group = dist.new_group([1, 2, 3])  # group ranks 0, 1, 2 are global ranks 1, 2, 3
     if dist.get_rank() == 0:
