@@ -125,13 +125,16 @@ def write_panel(students: list[Student], folder: Path) -> Path:
 def standard_panel(lesson_path, solution_path, *, hardcoded: dict[str, str],
                    hardcoded_expected: dict[str, float], hang_in: str | None = None,
                    crash_in: str | None = None, hang_source: str = HANG, crash_source: str = CRASH,
-                   missing_exercise: str | None = None, extra: list[Student] = ()) -> list[Student]:
+                   missing_exercise: str | None = None, borrowed: dict[str, str] | None = None,
+                   extra: list[Student] = ()) -> list[Student]:
     """The standard fake class for one lesson.
 
     hardcoded: answer grade_id -> a source that passes the visible tests only;
     hardcoded_expected: the test scores that changes (others stay full).
     hang_in / crash_in / missing_exercise: the answer whose cell hangs / crashes / whose tests are
-    deleted (default: the first answer). extra: the lesson's own students (e.g. calls the reference).
+    deleted (default: the first answer). borrowed: answer grade_id -> a source that calls the
+    finished thing (parakit's or torch's own), a student who scores 0 on every test by the
+    tripwires. extra: the lesson's own students.
     """
     lesson, solution = load(lesson_path), load(solution_path)
     name = Path(lesson_path).name
@@ -161,6 +164,7 @@ def standard_panel(lesson_path, solution_path, *, hardcoded: dict[str, str],
         Student("not_a_notebook", {name: "this is not a notebook {"}, {}, report=["not a notebook (invalid JSON"]),
         Student("wrong_name", {name.replace(".ipynb", "-Copy1.ipynb"): full}, {},
                 report=["does not match any assignment (did you mean " + name]),
+        *([Student("borrower", {name: with_sources(full, borrowed)}, {})] if borrowed else []),
         *extra,
     ]
 

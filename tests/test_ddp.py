@@ -224,7 +224,7 @@ def test_branch_used_on_one_rank_only_gives_every_rank_the_average(kind):
 def accumulate(seed, kind, micro):
     """`micro` micro-batches: all but the last inside no_sync; the all-reduces inside and
     the gradients after, with one process's gradients on the whole batch."""
-    n, r = dist.get_world_size(), dist.get_rank()
+    n = dist.get_world_size()
     net = mlp(seed)
     reference = copy.deepcopy(net)
     model = getattr(ddp, kind)(net)

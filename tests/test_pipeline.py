@@ -42,7 +42,7 @@ LESSONS = [TOY] + [pytest.param(lesson, id=lesson.name) for lesson in panel.cour
 
 @dataclass
 class Built:
-    lesson: Lesson
+    lesson: panel.Lesson
     solutions: Path      # a folder holding only this lesson's solution
     lessons: Path        # the generated student notebook lands here
     students: list[panel.Student]

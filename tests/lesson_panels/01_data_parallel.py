@@ -10,8 +10,6 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     hidden tests); the borrower calls parakit's chunk rule, torch's data_parallel and
     parakit's LossInForward (each 0 by the tripwires); the kernel hangs in the chunk-loss
     module and dies in data_parallel."""
-    full = panel.full_solution(panel.load(lesson), panel.load(solution))
-    name, pts = lesson.name, panel.points(panel.load(lesson))
     hardcoded = {
         "balanced_chunk_sizes": "def balanced_chunk_sizes(batch_size, gpu0_bsz, num_devices):\n"
                                 "    return {(52, 16): [16, 18, 18], (53, 16): [16, 19, 18], (52, 0): [0, 26, 26],\n"
@@ -26,8 +24,7 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     }
     return panel.standard_panel(
         lesson, solution, hang_in="chunk_loss", crash_in="data_parallel",
-        hardcoded=hardcoded, hardcoded_expected={"test_balanced_chunk_sizes": 0.0},
-        extra=[panel.Student("borrower", {name: panel.with_sources(full, borrowed)}, {})])
+        hardcoded=hardcoded, hardcoded_expected={"test_balanced_chunk_sizes": 0.0}, borrowed=borrowed)
 
 
 LESSON = panel.Lesson(REPO / "solutions" / "01_data_parallel.ipynb", students, timeout=45)

@@ -13,7 +13,7 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     parakit's no_sync (each 0 by the tripwires). The kernel hangs in no_sync and dies in the
     overlapped wrapper."""
     full = panel.full_solution(panel.load(lesson), panel.load(solution))
-    name, pts = lesson.name, panel.points(panel.load(lesson))
+    pts = panel.points(panel.load(lesson))
     solved = {panel.nbgrader_meta(c).get("grade_id"): c.source for c in full.cells}
     hardcoded = {gid: solved[gid].replace(average, average.replace("self.world_size", "2"))
                  for gid, average in (("naive_ddp", "div_(self.world_size)"), ("flat_ddp", "/= self.world_size"),
@@ -33,8 +33,7 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     }
     return panel.standard_panel(
         lesson, solution, hang_in="no_sync", crash_in="overlap_ddp",
-        hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0),
-        extra=[panel.Student("borrower", {name: panel.with_sources(full, borrowed)}, dict.fromkeys(pts, 0.0))])
+        hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0), borrowed=borrowed)
 
 
 LESSON = panel.Lesson(REPO / "solutions" / "02_ddp.ipynb", students, timeout=60)

@@ -12,8 +12,7 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     the hidden tests); the borrower all-reduces in the ZeRO-1 step, builds parakit's ShardedOptimizer in
     the ZeRO-2 backward and wraps the layer in parakit's FSDP (each 0 by the tripwires); the
     kernel hangs in the ZeRO-2 backward and dies in the sharded linear."""
-    full = panel.full_solution(panel.load(lesson), panel.load(solution))
-    name, pts = lesson.name, panel.points(panel.load(lesson))
+    pts = panel.points(panel.load(lesson))
     hardcoded = {
         "zero1_step": "def zero1_step(params, owners, optimizer):\n    n = dist.get_world_size()\n"
                       "    with torch.no_grad():\n        for i, p in enumerate(params):\n"
@@ -50,8 +49,7 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     }
     return panel.standard_panel(
         lesson, solution, hang_in="zero2_backward", crash_in="sharded_linear",
-        hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0),
-        extra=[panel.Student("borrower", {name: panel.with_sources(full, borrowed)}, dict.fromkeys(pts, 0.0))])
+        hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0), borrowed=borrowed)
 
 
 LESSON = panel.Lesson(REPO / "solutions" / "03_zero.ipynb", students, timeout=45)

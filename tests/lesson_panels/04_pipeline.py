@@ -11,8 +11,7 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     0 on the hidden tests); the borrower calls parakit's 1F1B builder, parakit's
     pipeline_step and parakit's bubble formula (each 0 by the tripwires); the kernel hangs
     in the bubble formula and dies in the stage."""
-    full = panel.full_solution(panel.load(lesson), panel.load(solution))
-    name, pts = lesson.name, panel.points(panel.load(lesson))
+    pts = panel.points(panel.load(lesson))
     hardcoded = {
         "one_f_one_b_order": "def one_f_one_b_order(p, m, rank):\n    warmup = {2: 1, 4: 3}[p] - rank\n"
                              "    order = [('F', i) for i in range(warmup)]\n    for i in range(m - warmup):\n"
@@ -38,8 +37,7 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     }
     return panel.standard_panel(
         lesson, solution, hang_in="bubble_fraction", crash_in="stage_step",
-        hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0),
-        extra=[panel.Student("borrower", {name: panel.with_sources(full, borrowed)}, dict.fromkeys(pts, 0.0))])
+        hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0), borrowed=borrowed)
 
 
 LESSON = panel.Lesson(REPO / "solutions" / "04_pipeline.ipynb", students, timeout=30)

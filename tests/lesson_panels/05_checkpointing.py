@@ -35,8 +35,7 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     hidden tests); the borrower calls parakit's checkpoint, checkpoint_sequential and
     best_segments (each 0 by the tripwires); the kernel hangs in the segment count and dies in
     checkpoint_sequential."""
-    full = panel.full_solution(panel.load(lesson), panel.load(solution))
-    name, pts = lesson.name, panel.points(panel.load(lesson))
+    pts = panel.points(panel.load(lesson))
     hardcoded = {
         "my_checkpoint": CHECKPOINT_WITHOUT_ANCHOR,
         "my_checkpoint_sequential": "def my_checkpoint_sequential(functions, segments, input):\n"
@@ -56,8 +55,7 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     }
     return panel.standard_panel(
         lesson, solution, hang_in="best_segment_count", crash_in="my_checkpoint_sequential",
-        hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0),
-        extra=[panel.Student("borrower", {name: panel.with_sources(full, borrowed)}, dict.fromkeys(pts, 0.0))])
+        hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0), borrowed=borrowed)
 
 
 LESSON = panel.Lesson(REPO / "solutions" / "05_checkpointing.ipynb", students, timeout=60)

@@ -79,8 +79,6 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     borrower uses parakit's f, torch's differentiable all-reduce, parakit's layers and MLP,
     and F.cross_entropy on gathered logits: 0 on every exercise. The kernel hangs in the MLP
     and dies in the loss."""
-    full = panel.full_solution(panel.load(lesson), panel.load(solution))
-    name, pts = lesson.name, panel.points(panel.load(lesson))
     hardcoded = {
         "f_and_g": F_AND_G_IN_PLACE,
         "column_parallel_linear": NO_SIZE_CHECK.format(name="ColumnParallelLinear", flag="gather_output",
@@ -94,8 +92,7 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
               "test_vocab_parallel_cross_entropy")
     return panel.standard_panel(
         lesson, solution, hang_in="parallel_mlp", crash_in="vocab_parallel_cross_entropy",
-        hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(zeroed, 0.0),
-        extra=[panel.Student("borrower", {name: panel.with_sources(full, BORROWED)}, dict.fromkeys(pts, 0.0))])
+        hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(zeroed, 0.0), borrowed=BORROWED)
 
 
 LESSON = panel.Lesson(REPO / "solutions" / "06_tensor_parallel.ipynb", students, timeout=60)

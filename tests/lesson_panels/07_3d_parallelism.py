@@ -14,7 +14,7 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     calls parakit's cube_groups, linear3d_forward, linear3d_backward and mesh_groups (each 0
     by the tripwires); the kernel hangs in the cube groups and dies in the mesh groups."""
     full = panel.full_solution(panel.load(lesson), panel.load(solution))
-    name, pts = lesson.name, panel.points(panel.load(lesson))
+    pts = panel.points(panel.load(lesson))
     cubes = {q: {k[0]: v for k, v in parallel3d.cube_groups(q).items() if len(k) == 1} for q in (1, 2, 3)}
     meshes = {s: mesh.mesh_groups(*s) for s in ((2, 2, 2), (1, 2, 4), (3, 1, 2))}
     fixed_axes = [("cube.axis_group(cube.input_axis)", 'cube.axis_group("input")'),
@@ -33,8 +33,7 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     }
     return panel.standard_panel(
         lesson, solution, hang_in="cube_groups", crash_in="mesh_groups",
-        hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0),
-        extra=[panel.Student("borrower", {name: panel.with_sources(full, borrowed)}, dict.fromkeys(pts, 0.0))])
+        hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0), borrowed=borrowed)
 
 
 def _source(nb, grade_id: str) -> str:
