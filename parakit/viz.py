@@ -98,128 +98,6 @@ def _widget(spec):
     return spec
 
 
-# ---------------------------------------------------------------- lesson 04: pipeline schedules
-
-PIPELINE_COLOURS = {"F": "#2a9d8f", "B": "#e76f51"}
-
-
-def pipeline_gantt(timeline, *, title: str = "", unit: str = "time step", ax=None):
-    """Gantt chart of a pipeline time line (`parakit.pipeline.simulate` or the runtime's
-    measured events): one row per rank, a bar per forward (F) and backward (B) labelled with
-    its micro-batch, later chunks of interleaved schedules hatched; the rank's idle
-    fraction at the right."""
-    standalone = ax is None
-    if standalone:
-        _, ax = plt.subplots(figsize=(10, 0.5 * timeline.num_ranks + 1.3))
-    t0, span = timeline.start, float(timeline.makespan)
-    for e in timeline.compute:
-        chunk = e.action.stage // timeline.num_ranks
-        start, width = float(e.start - t0), float(e.end - e.start)
-        ax.barh(e.rank, width, left=start, height=0.8, color=PIPELINE_COLOURS[e.action.op], edgecolor="white",
-                hatch="//" if chunk % 2 else None)
-        if width > span / 60:
-            ax.text(start + width / 2, e.rank, str(e.action.microbatch), ha="center", va="center", fontsize=7, color="white")
-    for r in range(timeline.num_ranks):
-        ax.text(span * 1.01, r, f"idle {float(timeline.idle_fraction(r)):.0%}", va="center", fontsize=8)
-    ax.set_yticks(range(timeline.num_ranks), [f"rank {r}" for r in range(timeline.num_ranks)])
-    ax.set_ylim(timeline.num_ranks - 0.5, -0.5)
-    ax.set_xlim(0, span * 1.1)
-    ax.set_xlabel(unit)
-    ax.set_title(title or f"bubble {float(timeline.bubble):.1%}, peak stored activations {timeline.peak_activations}",
-                 fontsize=10)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PIPELINE_COLOURS.values()]
-    labels = ["forward", "backward"]
-    if any(e.action.stage >= timeline.num_ranks for e in timeline.compute):
-        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="grey", hatch="//"))
-        labels.append("odd chunk")
-    ax.legend(handles=handles, labels=labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
-    if standalone:
-        ax.figure.tight_layout()
-    return ax.figure
-
-
-def pipeline_predicted_vs_measured(predicted, measured, *, title: str = ""):
-    """The simulator's time line above the runtime's measured one, on the same time axis."""
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 1.0 * (predicted.num_ranks + measured.num_ranks) + 2.2),
-                                      sharex=True)
-    pipeline_gantt(predicted, ax=top, unit="seconds",
-                   title=f"simulated with each F and B taking its measured time: bubble {float(predicted.bubble):.1%}")
-    pipeline_gantt(measured, ax=bottom, unit="seconds",
-                   title=f"measured by the runtime: idle {float(measured.bubble):.1%}")
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    return fig
-
-
-def pipeline_schedule_figure(schedule: str = "1f1b", p: int = 4, m: int = 8, v: int = 2):
-    """One schedule drawn from parakit's own schedule data (F = B = 1 time step per chunk),
-    with its bubble next to the formula and its peak stored activations per rank."""
-    from parakit.pipeline import bubble_formula, build_schedule, simulate
-
-    v = v if schedule == "interleaved" else 1
-    try:
-        timeline = simulate(build_schedule(schedule, p, m, v))
-    except ValueError as error:  # an impossible choice (1F1B with m < p, ...): say why instead of a chart
-        fig, ax = plt.subplots(figsize=(10, 1.2))
-        ax.axis("off")
-        ax.text(0, 0.5, str(error), wrap=True, fontsize=9)
-        return fig
-    formula = bubble_formula(p, m, v)
-    return pipeline_gantt(timeline, title=f"{schedule}, p={p}, m={m}" + (f", v={v}" if v > 1 else "") +
-                          f": bubble {float(timeline.bubble):.1%} (formula (p-1)/({'v' if v > 1 else ''}m+p-1) = "
-                          f"{float(formula):.1%}), peak stored activations per rank {timeline.peak_activations}")
-
-
-# ---------------------------------------------------------------- lesson 07: 3D tensor parallelism
-
-def cube_blocks(q: int = 2, *, swapped: bool = False):
-    """The q x q x q cube of ranks (i, j, l), and which rank holds which block of the input
-    X (q*q x q blocks) and of the weight A (q x q*q blocks), from `parallel3d.block_owners`."""
-    from parakit import parallel3d
-
-    owners = parallel3d.block_owners(q, swapped)
-    fig = plt.figure(figsize=(12, 3.8))
-    ax = fig.add_subplot(1, 3, 1, projection="3d")
-    colours = plt.get_cmap("tab10" if q**3 <= 10 else "viridis", q**3)
-    for rank in range(q**3):
-        i, j, l = parallel3d.cube_coords(rank, q)
-        ax.scatter(j, l, i, s=260, color=colours(rank), depthshade=False)
-        ax.text(j, l, i, f"  {rank}", fontsize=9)
-    ax.set_xlabel("j (input)")
-    ax.set_ylabel("l (output)")
-    ax.set_zlabel("i (weight)")
-    ax.set_xticks(range(q)), ax.set_yticks(range(q)), ax.set_zticks(range(q))
-    ax.set_title(f"P = {q}^3 = {q**3} ranks: rank = i*{q * q} + j*{q} + l", fontsize=9)
-    for n, (name, grid) in enumerate(owners.items()):
-        ax = fig.add_subplot(1, 3, n + 2)
-        for r, row in enumerate(grid):
-            for c, rank in enumerate(row):
-                ax.add_patch(plt.Rectangle((c, r), 0.95, 0.95, color=colours(rank), alpha=0.75))
-                i, j, l = parallel3d.cube_coords(rank, q)
-                ax.text(c + 0.47, r + 0.47, f"rank {rank}\n({i},{j},{l})", ha="center", va="center", fontsize=8)
-        ax.set_xlim(0, len(grid[0]))
-        ax.set_ylim(len(grid), 0)
-        ax.set_axis_off()
-        shape = "[batch/q\u00b2, in/q]" if name == "X" else "[in/q, out/q\u00b2]"
-        ax.set_title(f"{name}: block held by rank (i,j,l), each {shape}", fontsize=9)
-    return fig
-
-
-def bytes_1d_vs_3d(ranks: Sequence[int], one_d: Sequence[float], three_d: Sequence[float], *, title: str, ax=None):
-    """Bytes per rank of 1D (Megatron) and 3D tensor parallelism against the number of ranks."""
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6, 3.2))
-    ax.plot(ranks, one_d, "o-", color="#e76f51", label="1D: 2 all-reduces of the activations")
-    ax.plot(ranks, three_d, "s-", color="#264653", label="3D: 6 collectives, (q-1)/q^3 each")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("ranks P")
-    ax.set_ylabel("bytes sent per rank")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    return ax.figure
-
-
 # ---------------------------------------------------------------- lesson 01: DataParallel
 
 DP_STEPS = [  # (step, what device 0 does, what every other device i does)
@@ -327,108 +205,6 @@ def ddp_bucket_sweep(labels: Sequence[str], step_ms: Sequence[float], buckets: S
     return ax.figure
 
 
-# ---------------------------------------------------------------- lesson 05: activation checkpointing
-
-def checkpoint_plan(n: int = 16, segments: int = 4):
-    """n layers in `segments` checkpointed segments (`checkpoint.segment_sizes`). Top: the
-    activation after each layer, kept by the forward (segment inputs) or dropped and
-    recomputed in the backward. Bottom: activations held at the peak, k + n/k, against k."""
-    from parakit import checkpoint
-
-    sizes = checkpoint.segment_sizes(n, segments)
-    kept = {sum(sizes[:s]) for s in range(segments)}
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 4.6), gridspec_kw={"height_ratios": [1, 2.2]})
-    for i in range(n + 1):
-        colour = "#264653" if i in kept else ("#ffffff" if i < n else "#bbbbbb")
-        top.add_patch(plt.Rectangle((i, 0), 0.9, 0.9, facecolor=colour, edgecolor="#264653",
-                                    hatch=None if i in kept or i == n else "//"))
-    for start in sorted(kept)[1:]:
-        top.axvline(start - 0.05, color="#e76f51", linewidth=2)
-    top.set_xlim(-0.2, n + 1)
-    top.set_ylim(-0.1, 1)
-    top.axis("off")
-    top.set_title(f"{n} layers, {segments} segments: {segments} activations kept (dark), "
-                  f"{n - segments} recomputed (hatched), sizes {sizes}", fontsize=9)
-    ks = range(1, n + 1)
-    bottom.plot(ks, [k + n / k for k in ks], color="#e76f51", label="k + n/k")
-    bottom.plot(ks, [checkpoint.peak_units(n, k) for k in ks], "o", color="#264653", markersize=4,
-                label="peak_units(n, k): whole segments")
-    bottom.axhline(n + 1, color="#999999", linestyle="--", label=f"no checkpointing: n + 1 = {n + 1}")
-    best = checkpoint.best_segments(n)
-    bottom.plot([segments], [checkpoint.peak_units(n, segments)], "s", color="#2a9d8f", markersize=10,
-                label=f"k = {segments}", zorder=0)
-    bottom.set_xlabel(f"segments k (best: {best}, sqrt(n) = {n ** 0.5:.1f})")
-    bottom.set_ylabel("activations held at the peak")
-    bottom.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-def checkpoint_curve(segments: Sequence[int], forward: Sequence[float], peak: Sequence[float],
-                     step_ms: Sequence[float], *, n: int, plain_ms: float, predicted_ms: float):
-    """Measured saved bytes (in activations: forward and peak) and step time against the
-    number of segments, with the theory drawn over them: k and k + n/k activations against
-    n + 1 unchecked; one extra forward per step."""
-    fig, (memory, speed) = plt.subplots(1, 2, figsize=(10, 3.4))
-    ks = range(1, max(segments) + 1)
-    memory.plot(ks, [k + n / k for k in ks], color="#e76f51", label="theory: peak k + n/k")
-    memory.plot(ks, list(ks), color="#f4a261", label="theory: forward keeps k")
-    memory.plot(segments, peak, "o", color="#264653", label="measured peak")
-    memory.plot(segments, forward, "s", color="#2a9d8f", label="measured after forward")
-    memory.axhline(n + 1, color="#999999", linestyle="--", label="no checkpointing")
-    memory.set_xlabel("segments k")
-    memory.set_ylabel("saved activations [batch, hidden]")
-    memory.set_title(f"{n} layers: what autograd saves", fontsize=10)
-    memory.legend(fontsize=7)
-    speed.plot(segments, step_ms, "o", color="#264653", label="measured")
-    speed.axhline(predicted_ms, color="#e76f51", label="theory: plain + one forward")
-    speed.axhline(plain_ms, color="#999999", linestyle="--", label="no checkpointing")
-    speed.set_ylim(0, max(max(step_ms), predicted_ms) * 1.2)
-    speed.set_xlabel("segments k")
-    speed.set_ylabel("ms per step (median)")
-    speed.set_title("what it costs in time", fontsize=10)
-    speed.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
-
-
-def tensor_parallel_splits(t: int = 2):
-    """Y = XA on t ranks, split two ways. Left, column parallel: A's columns in t blocks,
-    rank i computes Y_i = X A_i, and Y = [Y_1 ... Y_t]. Right, row parallel: A's rows and X's
-    columns in t blocks, rank i computes X_i A_i, and Y is their sum (an all-reduce)."""
-    colours = plt.get_cmap("tab10").colors
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
-
-    def block(ax, x, y, w, h, colour, text=""):
-        ax.add_patch(plt.Rectangle((x, y), w, h, facecolor=colour, edgecolor="white", linewidth=1.5))
-        if text:
-            ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=8, color="white")
-
-    for ax, kind in zip(axes, ("column", "row")):
-        grey = "#8d99ae"
-        for i in range(t):
-            c = colours[i % 10]
-            if kind == "column":  # X [2, 3] replicated, A [3, 3] by columns, Y [2, 3] by columns
-                block(ax, 0, 0, 2, 2, grey, "X" if i == 0 else "")
-                block(ax, 2.6 + 3 * i / t, 0, 3 / t, 3, c, f"A{i + 1}")
-                block(ax, 6.2 + 3 * i / t, 0, 3 / t, 2, c, f"XA{i + 1}")
-            else:  # X [2, 3] by columns, A [3, 3] by rows, Y [2, 3] the sum
-                block(ax, 2 * i / t, 0, 2 / t, 2, c, f"X{i + 1}")
-                block(ax, 2.6, 3 - 3 * (i + 1) / t, 3, 3 / t, c, f"A{i + 1}")
-                block(ax, 6.2, 0, 3, 2, grey, "Σ XᵢAᵢ" if i == 0 else "")
-        ax.text(2.3, 1, "×", ha="center", va="center", fontsize=14)
-        ax.text(5.9, 1, "=", ha="center", va="center", fontsize=14)
-        words = ("A by columns: rank i holds A_i, computes XA_i; Y = concat (all-gather if needed)" if kind == "column"
-                 else "A by rows, X by columns: rank i computes X_i A_i; Y = sum (all-reduce)")
-        ax.set_title(f"{kind} parallel on {t} ranks\n{words}", fontsize=9)
-        ax.set_xlim(-0.2, 9.4)
-        ax.set_ylim(-0.2, 3.2)
-        ax.set_aspect("equal")
-        ax.axis("off")
-    fig.tight_layout()
-    return fig
-
-
 # ---------------------------------------------------------------- lesson 03: ZeRO
 
 ZERO_KINDS = {"parameters": "#264653", "gradients": "#2a9d8f", "optimizer": "#e9c46a"}
@@ -515,6 +291,78 @@ def zero_calculator(billions: float = 7.5, n: int = 64, k: int = 12, stage: int 
     return fig
 
 
+# ---------------------------------------------------------------- lesson 04: pipeline schedules
+
+PIPELINE_COLOURS = {"F": "#2a9d8f", "B": "#e76f51"}
+
+
+def pipeline_gantt(timeline, *, title: str = "", unit: str = "time step", ax=None):
+    """Gantt chart of a pipeline time line (`parakit.pipeline.simulate` or the runtime's
+    measured events): one row per rank, a bar per forward (F) and backward (B) labelled with
+    its micro-batch, later chunks of interleaved schedules hatched; the rank's idle
+    fraction at the right."""
+    standalone = ax is None
+    if standalone:
+        _, ax = plt.subplots(figsize=(10, 0.5 * timeline.num_ranks + 1.3))
+    t0, span = timeline.start, float(timeline.makespan)
+    for e in timeline.compute:
+        chunk = e.action.stage // timeline.num_ranks
+        start, width = float(e.start - t0), float(e.end - e.start)
+        ax.barh(e.rank, width, left=start, height=0.8, color=PIPELINE_COLOURS[e.action.op], edgecolor="white",
+                hatch="//" if chunk % 2 else None)
+        if width > span / 60:
+            ax.text(start + width / 2, e.rank, str(e.action.microbatch), ha="center", va="center", fontsize=7, color="white")
+    for r in range(timeline.num_ranks):
+        ax.text(span * 1.01, r, f"idle {float(timeline.idle_fraction(r)):.0%}", va="center", fontsize=8)
+    ax.set_yticks(range(timeline.num_ranks), [f"rank {r}" for r in range(timeline.num_ranks)])
+    ax.set_ylim(timeline.num_ranks - 0.5, -0.5)
+    ax.set_xlim(0, span * 1.1)
+    ax.set_xlabel(unit)
+    ax.set_title(title or f"bubble {float(timeline.bubble):.1%}, peak stored activations {timeline.peak_activations}",
+                 fontsize=10)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PIPELINE_COLOURS.values()]
+    labels = ["forward", "backward"]
+    if any(e.action.stage >= timeline.num_ranks for e in timeline.compute):
+        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="grey", hatch="//"))
+        labels.append("odd chunk")
+    ax.legend(handles=handles, labels=labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    if standalone:
+        ax.figure.tight_layout()
+    return ax.figure
+
+
+def pipeline_predicted_vs_measured(predicted, measured, *, title: str = ""):
+    """The simulator's time line above the runtime's measured one, on the same time axis."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 1.0 * (predicted.num_ranks + measured.num_ranks) + 2.2),
+                                      sharex=True)
+    pipeline_gantt(predicted, ax=top, unit="seconds",
+                   title=f"simulated with each F and B taking its measured time: bubble {float(predicted.bubble):.1%}")
+    pipeline_gantt(measured, ax=bottom, unit="seconds",
+                   title=f"measured by the runtime: idle {float(measured.bubble):.1%}")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def pipeline_schedule_figure(schedule: str = "1f1b", p: int = 4, m: int = 8, v: int = 2):
+    """One schedule drawn from parakit's own schedule data (F = B = 1 time step per chunk),
+    with its bubble next to the formula and its peak stored activations per rank."""
+    from parakit.pipeline import bubble_formula, build_schedule, simulate
+
+    v = v if schedule == "interleaved" else 1
+    try:
+        timeline = simulate(build_schedule(schedule, p, m, v))
+    except ValueError as error:  # an impossible choice (1F1B with m < p, ...): say why instead of a chart
+        fig, ax = plt.subplots(figsize=(10, 1.2))
+        ax.axis("off")
+        ax.text(0, 0.5, str(error), wrap=True, fontsize=9)
+        return fig
+    formula = bubble_formula(p, m, v)
+    return pipeline_gantt(timeline, title=f"{schedule}, p={p}, m={m}" + (f", v={v}" if v > 1 else "") +
+                          f": bubble {float(timeline.bubble):.1%} (formula (p-1)/({'v' if v > 1 else ''}m+p-1) = "
+                          f"{float(formula):.1%}), peak stored activations per rank {timeline.peak_activations}")
+
+
 # ---------------------------------------------------------------- lesson 05: activation checkpointing
 
 def checkpoint_plan(n: int = 16, segments: int = 4):
@@ -578,3 +426,92 @@ def checkpoint_curve(segments: Sequence[int], forward: Sequence[float], peak: Se
     speed.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+# ---------------------------------------------------------------- lesson 06: tensor parallelism
+
+def tensor_parallel_splits(t: int = 2):
+    """Y = XA on t ranks, split two ways. Left, column parallel: A's columns in t blocks,
+    rank i computes Y_i = X A_i, and Y = [Y_1 ... Y_t]. Right, row parallel: A's rows and X's
+    columns in t blocks, rank i computes X_i A_i, and Y is their sum (an all-reduce)."""
+    colours = plt.get_cmap("tab10").colors
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
+
+    def block(ax, x, y, w, h, colour, text=""):
+        ax.add_patch(plt.Rectangle((x, y), w, h, facecolor=colour, edgecolor="white", linewidth=1.5))
+        if text:
+            ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=8, color="white")
+
+    for ax, kind in zip(axes, ("column", "row")):
+        grey = "#8d99ae"
+        for i in range(t):
+            c = colours[i % 10]
+            if kind == "column":  # X [2, 3] replicated, A [3, 3] by columns, Y [2, 3] by columns
+                block(ax, 0, 0, 2, 2, grey, "X" if i == 0 else "")
+                block(ax, 2.6 + 3 * i / t, 0, 3 / t, 3, c, f"A{i + 1}")
+                block(ax, 6.2 + 3 * i / t, 0, 3 / t, 2, c, f"XA{i + 1}")
+            else:  # X [2, 3] by columns, A [3, 3] by rows, Y [2, 3] the sum
+                block(ax, 2 * i / t, 0, 2 / t, 2, c, f"X{i + 1}")
+                block(ax, 2.6, 3 - 3 * (i + 1) / t, 3, 3 / t, c, f"A{i + 1}")
+                block(ax, 6.2, 0, 3, 2, grey, "Σ XᵢAᵢ" if i == 0 else "")
+        ax.text(2.3, 1, "×", ha="center", va="center", fontsize=14)
+        ax.text(5.9, 1, "=", ha="center", va="center", fontsize=14)
+        words = ("A by columns: rank i holds A_i, computes XA_i; Y = concat (all-gather if needed)" if kind == "column"
+                 else "A by rows, X by columns: rank i computes X_i A_i; Y = sum (all-reduce)")
+        ax.set_title(f"{kind} parallel on {t} ranks\n{words}", fontsize=9)
+        ax.set_xlim(-0.2, 9.4)
+        ax.set_ylim(-0.2, 3.2)
+        ax.set_aspect("equal")
+        ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+# ---------------------------------------------------------------- lesson 07: 3D tensor parallelism
+
+def cube_blocks(q: int = 2, *, swapped: bool = False):
+    """The q x q x q cube of ranks (i, j, l), and which rank holds which block of the input
+    X (q*q x q blocks) and of the weight A (q x q*q blocks), from `parallel3d.block_owners`."""
+    from parakit import parallel3d
+
+    owners = parallel3d.block_owners(q, swapped)
+    fig = plt.figure(figsize=(12, 3.8))
+    ax = fig.add_subplot(1, 3, 1, projection="3d")
+    colours = plt.get_cmap("tab10" if q**3 <= 10 else "viridis", q**3)
+    for rank in range(q**3):
+        i, j, l = parallel3d.cube_coords(rank, q)
+        ax.scatter(j, l, i, s=260, color=colours(rank), depthshade=False)
+        ax.text(j, l, i, f"  {rank}", fontsize=9)
+    ax.set_xlabel("j (input)")
+    ax.set_ylabel("l (output)")
+    ax.set_zlabel("i (weight)")
+    ax.set_xticks(range(q)), ax.set_yticks(range(q)), ax.set_zticks(range(q))
+    ax.set_title(f"P = {q}^3 = {q**3} ranks: rank = i*{q * q} + j*{q} + l", fontsize=9)
+    for n, (name, grid) in enumerate(owners.items()):
+        ax = fig.add_subplot(1, 3, n + 2)
+        for r, row in enumerate(grid):
+            for c, rank in enumerate(row):
+                ax.add_patch(plt.Rectangle((c, r), 0.95, 0.95, color=colours(rank), alpha=0.75))
+                i, j, l = parallel3d.cube_coords(rank, q)
+                ax.text(c + 0.47, r + 0.47, f"rank {rank}\n({i},{j},{l})", ha="center", va="center", fontsize=8)
+        ax.set_xlim(0, len(grid[0]))
+        ax.set_ylim(len(grid), 0)
+        ax.set_axis_off()
+        shape = "[batch/q\u00b2, in/q]" if name == "X" else "[in/q, out/q\u00b2]"
+        ax.set_title(f"{name}: block held by rank (i,j,l), each {shape}", fontsize=9)
+    return fig
+
+
+def bytes_1d_vs_3d(ranks: Sequence[int], one_d: Sequence[float], three_d: Sequence[float], *, title: str, ax=None):
+    """Bytes per rank of 1D (Megatron) and 3D tensor parallelism against the number of ranks."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(ranks, one_d, "o-", color="#e76f51", label="1D: 2 all-reduces of the activations")
+    ax.plot(ranks, three_d, "s-", color="#264653", label="3D: 6 collectives, (q-1)/q^3 each")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks P")
+    ax.set_ylabel("bytes sent per rank")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return ax.figure
