@@ -88,13 +88,18 @@ def launch(fn, *args, world_size: int, backend: str = "auto", timeout: float = D
 def resolve_backend(backend: str, world_size: int) -> str:
     """'auto' is NCCL when there is one GPU per rank (and NCCL is built in), else gloo."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return select_backend(backend, world_size, gpus, dist.is_nccl_available())
+
+
+def select_backend(backend: str, world_size: int, gpus: int, nccl_built: bool) -> str:
+    """`resolve_backend`'s rule, given the visible GPUs and whether torch has NCCL."""
     choice = str(backend).lower()
     if choice == "auto":
-        return "nccl" if dist.is_nccl_available() and gpus >= world_size else "gloo"
+        return "nccl" if nccl_built and gpus >= world_size else "gloo"
     if choice == "gloo":
         return "gloo"
     if choice == "nccl":
-        if not dist.is_nccl_available():
+        if not nccl_built:
             raise ValueError("backend 'nccl' needs one GPU per rank and a CUDA build of torch, but this build of "
                              "torch has no NCCL; use backend='gloo' (or 'auto', which picks gloo here)")
         if gpus < world_size:

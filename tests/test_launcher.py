@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import parakit
-from parakit import CollectiveHang, LaunchError, LaunchTimeout, RankDied, RankError
+from parakit import CollectiveHang, LaunchError, LaunchTimeout, RankDied, RankError, launcher
 from conftest import live_children, parent_of, pid_alive, read_until, run_script, start_script, wait_gone
 
 
@@ -159,6 +159,21 @@ def test_nccl_backend_without_gpus_is_rejected_pointing_to_gloo():
     with pytest.raises(ValueError, match="backend='gloo'"):
         parakit.launch(os.getpid, world_size=2, backend="nccl")
     assert_pool_works(2)
+
+
+@pytest.mark.parametrize("backend, world_size, gpus, nccl_built, chosen", [
+    ("auto", 4, 4, True, "nccl"), ("auto", 4, 8, True, "nccl"), ("auto", 4, 3, True, "gloo"),
+    ("auto", 2, 2, False, "gloo"), ("AUTO", 1, 1, True, "nccl"), ("gloo", 2, 8, True, "gloo"),
+    ("nccl", 2, 2, True, "nccl")])
+def test_auto_picks_nccl_only_with_a_gpu_per_rank_and_nccl_built(backend, world_size, gpus, nccl_built, chosen):
+    assert launcher.select_backend(backend, world_size, gpus, nccl_built) == chosen
+
+
+def test_nccl_with_too_few_gpus_or_without_nccl_is_refused_saying_why():
+    with pytest.raises(ValueError, match=r"world_size=4 but 2 GPU\(s\) are visible"):
+        launcher.select_backend("nccl", 4, 2, True)
+    with pytest.raises(ValueError, match="this build of torch has no NCCL"):
+        launcher.select_backend("nccl", 2, 2, False)
 
 
 @pytest.mark.parametrize("backend", ["mpi", "junk"])
