@@ -174,7 +174,7 @@ def replica_of_the_wrong_stage():
 
 
 def test_a_replica_that_does_not_wrap_this_ranks_stages_is_refused():
-    with pytest.raises(parakit.launcher.RankError, match=r"misses 2 of this rank's stages \[0\]"):
+    with pytest.raises(parakit.launcher.RankError, match=r"misses 2 parameters of this rank's stages \[0\]"):
         parakit.launch(replica_of_the_wrong_stage, world_size=2)
 
 

@@ -175,8 +175,9 @@ def _check_replica(replica, mine: dict[int, nn.Module]) -> None:
     wrapped = {id(q) for q in replica.module.parameters()}
     missing = sum(id(q) not in wrapped for stage in mine.values() for q in stage.parameters())
     if missing:
-        raise ValueError(f"the replica wraps {len(wrapped)} parameters but misses {missing} of this rank's stages "
-                         f"{sorted(mine)}: wrap exactly this rank's stages (split_stages(model, balance)[rank::p])")
+        raise ValueError(f"the replica wraps {len(wrapped)} parameters but misses {missing} parameters of this "
+                         f"rank's stages {sorted(mine)}: wrap exactly this rank's stages "
+                         f"(split_stages(model, balance)[rank::p])")
 
 
 def _plan(schedule: str | Schedule, p: int, num_stages: int, num_microbatches: int | None) -> Schedule:
