@@ -61,12 +61,12 @@ def main(rank, world_size, backend, store_port, conn, out_w, err_w, timeout_s):
         sys.stdout.flush()
         sys.stderr.flush()
         _state["task"] = None
-        _send(conn, ("done", task_id) + reply + (comm.TRACKER.last,))
+        _send(conn, ("done", task_id) + reply + (dict(comm.TRACKER.messages),))
 
 
 def _run(rank, payload):
     """Run one task; returns ("ok", result bytes, comm calls) or ("error", text, comm calls)
-    (the caller also gets the last communication call: op, sequence number, peer)."""
+    (the caller also gets the messages sent to and received from each peer)."""
     comm.TRACKER.reset()
     try:
         cwd, path, sources, blob = payload
@@ -109,7 +109,7 @@ def _status(main_id) -> dict:
         "calls": comm.TRACKER.seq,
         "current": current[:3] if current else None,
         "waiting": (time.monotonic() - current[3]) if current else 0.0,
-        "last": comm.TRACKER.last,
+        "messages": dict(comm.TRACKER.messages),
         "stack": _user_stack(frame) if frame is not None else [],
     }
 

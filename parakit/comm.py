@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -78,7 +78,8 @@ def ring_bytes(op: str, nbytes: int, n: int, rank: int = 0, root: int | None = N
 class _Tracker:
     """Where this rank is in its communication: how many calls it made since `reset`, the
     call it is inside now (op, sequence number, peer of a send/recv or None, start time)
-    or None, and the last call it finished (op, sequence number, peer)."""
+    or None, the last call it finished (op, sequence number, peer), and how many messages
+    it sent to and posted receives for each peer: {("send" | "recv", global rank): count}."""
 
     def __init__(self):
         self.reset()
@@ -87,6 +88,7 @@ class _Tracker:
         self.seq = 0
         self.current: tuple[str, int, int | None, float] | None = None
         self.last: tuple[str, int, int | None] | None = None
+        self.messages: Counter = Counter()
 
 
 TRACKER = _Tracker()
@@ -145,6 +147,8 @@ def _wrap(name: str, fn):
         bound = signature.bind_partial(*args, **kwargs).arguments if peer_arg or _OPEN_LOGS else {}
         peer = _rank_argument(bound, peer_arg, global_rank=True) if peer_arg else None
         TRACKER.seq += 1
+        if peer_arg:
+            TRACKER.messages["send" if "send" in name else "recv", peer] += 1
         current = TRACKER.current = (name, TRACKER.seq, peer, time.monotonic())
         _thread.depth = 1
         start = time.perf_counter()

@@ -347,7 +347,7 @@ class _Call:
     def __init__(self, pool: _Pool, timeout: float):
         self.pool, self.timeout, self.task_id = pool, timeout, next(self._ids)
         self.start = time.monotonic()
-        self.replies: dict[int, tuple] = {}  # rank -> (kind, payload, calls, last call)
+        self.replies: dict[int, tuple] = {}  # rank -> (kind, payload, calls, messages per peer)
         self.deaths: dict[int, int | None] = {}  # rank -> exit code
         self.status: dict[int, dict] = {}  # rank -> latest answer to "where are you?"
         self.failed_at: float | None = None
@@ -412,15 +412,13 @@ class _Call:
                               or s["waiting"] < HANG_GRACE for s in fresh.values()):
             return False
         current = {r: s["current"] for r, s in fresh.items()}  # rank -> (op, seq, peer)
-        if self.replies:  # only a recv whose sender returned right after sending may still finish
-            return not all(self._receiving_from_returned(rank, op, peer) for rank, (op, _, peer) in current.items())
+        if self.replies:  # only a recv of a message a returned rank already sent may still finish
+            return not all(peer in self.replies and message_on_its_way(
+                rank, op, peer, self.replies[peer][3], self.status[rank]["messages"])
+                for rank, (op, _, peer) in current.items())
         if any(peer is not None for _, _, peer in current.values()):
             return not _p2p_matched(current)
         return len({(op, seq) for op, seq, _ in current.values()}) > 1
-
-    def _receiving_from_returned(self, rank, op, peer) -> bool:
-        last = self.replies[peer][3] if peer in self.replies else None
-        return op in ("recv", "irecv") and last is not None and last[0] in ("send", "isend") and last[2] == rank
 
     def _hang_error(self, kind, headline) -> LaunchError:
         self._refresh_status()
@@ -479,6 +477,13 @@ class _Call:
         if others:
             lines += ["while the other ranks waited:"] + others
         return (RankDied if self.deaths else RankError)("\n".join(lines), failures)
+
+
+def message_on_its_way(rank: int, op: str, peer: int, peer_messages: dict, messages: dict) -> bool:
+    """`rank` waits in `op` with `peer`, which has returned: only a recv can still complete,
+    when `peer` sent `rank` at least as many messages as `rank` has posted receives for
+    from it (this one included). `messages`: {("send" | "recv", rank): count} of each side."""
+    return op in ("recv", "irecv") and peer_messages.get(("send", rank), 0) >= messages.get(("recv", peer), 0)
 
 
 def _p2p_matched(current: dict[int, tuple]) -> bool:

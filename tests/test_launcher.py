@@ -418,6 +418,16 @@ def test_ranks_that_all_block_in_send_or_all_in_recv_raise_collective_hang(op):
     assert f"rank 0 waits in {op} #1" in str(caught.value) and f"rank 1 waits in {op} #1" in str(caught.value)
 
 
+def test_a_recv_from_a_returned_rank_is_a_hang_only_when_no_message_is_left_on_its_way():
+    """Ring step: rank 2 isends to rank 0, receives from rank 1, waits, returns; rank 0 may
+    still sit in its recv from rank 2 when the launcher looks: not a hang."""
+    ring_sender = {("send", 0): 2, ("recv", 1): 2}
+    assert launcher.message_on_its_way(0, "recv", 2, ring_sender, {("send", 1): 2, ("recv", 2): 2})
+    assert not launcher.message_on_its_way(0, "recv", 2, ring_sender, {("send", 1): 3, ("recv", 2): 3})
+    assert not launcher.message_on_its_way(0, "recv", 2, {("recv", 0): 2}, {("recv", 2): 1})
+    assert not launcher.message_on_its_way(0, "send", 2, ring_sender, {("send", 2): 1})
+
+
 def test_busy_rank_past_the_timeout_raises_launch_timeout():
     assert_pool_works(2)  # warm, so the time measured is the call's
     start = time.monotonic()
