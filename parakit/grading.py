@@ -8,6 +8,11 @@ forbidden function (the finished thing the exercise asks to build, such as
 `dist.all_reduce` inside a ring all-reduce, or parakit's own answer) makes the check fail
 and say why. A tripwire catches the call however the function was reached (`dist.x`,
 `from torch.distributed import x`, an alias): it watches the function's code.
+
+`check(..., same_traffic=True)` also compares how the two functions communicate, from the
+comm meter: on each rank the same collectives (by kind) and point-to-point calls only with
+the peers the reference talks to, and the same bytes sent by all ranks together. A ring
+all-reduce then has to be a ring, not a gather to rank 0 written with send and recv.
 """
 from __future__ import annotations
 
@@ -16,14 +21,15 @@ import inspect
 import random
 import sys
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
 
-from parakit import launcher
+from parakit import comm, launcher
 
-__all__ = ["check", "check_local", "InputContext", "Tripwire"]
+__all__ = ["check", "check_local", "InputContext", "Traffic", "Tripwire"]
 
 
 class Tripwire(AssertionError):
@@ -32,13 +38,16 @@ class Tripwire(AssertionError):
 
 def check(student: Callable, reference: Callable, make_inputs: Callable, *, world_sizes: Iterable[int] = (2, 4),
           trials: int = 2, forbid: dict[Callable, str] | None = None, timeout: float = 60.0,
-          rtol: float | None = None, atol: float | None = None, quiet: bool = False) -> None:
+          rtol: float | None = None, atol: float | None = None, same_traffic: bool = False,
+          quiet: bool = False) -> None:
     """Compare `student(*inputs)` with `reference(*inputs)` on every rank, for each world size.
 
     `make_inputs(r)` returns the tuple of arguments for one rank, given an `InputContext`
     `r` (its rank, world size, a generator `r.shared` seeded alike on every rank for shapes,
-    and `r.local` seeded per rank for values); both functions get their own deep copy. `forbid` maps forbidden functions to the reason.
-    Raises AssertionError (or Tripwire) naming the world size, trial and rank that differ.
+    and `r.local` seeded per rank for values); both functions get their own deep copy.
+    `forbid` maps forbidden functions to the reason. `same_traffic`: the communication must
+    match too (see the module's docstring). Raises AssertionError (or Tripwire) naming the
+    world size, trial and rank that differ.
     """
     name = getattr(student, "__name__", "your function")
     world_sizes = list(world_sizes)
@@ -46,15 +55,18 @@ def check(student: Callable, reference: Callable, make_inputs: Callable, *, worl
         for trial in range(trials):
             seed = random.randrange(2**31)
             try:
-                pairs = launcher.launch(_run_pair, student, reference, make_inputs, seed, forbid or {},
-                                        world_size=world_size, timeout=timeout)
+                runs = launcher.launch(_run_pair, student, reference, make_inputs, seed, forbid or {},
+                                       world_size=world_size, timeout=timeout)
             except launcher.LaunchError as error:
                 raise AssertionError(f"{name} failed on {world_size} ranks (trial {trial + 1}):\n{error}") from None
-            for rank, (got, expected) in enumerate(pairs):
+            for rank, (got, expected, _) in enumerate(runs):
                 if isinstance(got, Tripwire):
                     raise Tripwire(f"rank {rank}: {got}")
                 _compare(got, expected, f"{name} on {world_size} ranks, rank {rank}, trial {trial + 1} "
                                         f"(seed {seed})", rtol, atol)
+            if same_traffic:
+                _compare_traffic([traffic for _, _, traffic in runs],
+                                 f"{name} on {world_size} ranks, trial {trial + 1} (seed {seed})")
     if not quiet:
         print(f"passed: {name} matches the reference on {', '.join(map(str, world_sizes))} ranks "
               f"({trials} random input{'s' if trials > 1 else ''} each)")
@@ -93,18 +105,73 @@ class InputContext:
 
 
 def _run_pair(student, reference, make_inputs, seed, forbid):
-    """On one rank: the same inputs to both functions; the student's runs under tripwires."""
+    """On one rank: the same inputs to both functions; the student's runs under tripwires.
+    Returns (student's result or Tripwire, reference's result, (their Traffic, its Traffic))."""
     import torch.distributed as dist
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     context = InputContext(rank, world_size, torch.Generator().manual_seed(seed),
                            torch.Generator().manual_seed(seed * 1009 + rank + 1))
     inputs = make_inputs(context)
-    expected = reference(*copy.deepcopy(inputs))
-    try:
-        return _call_guarded(student, copy.deepcopy(inputs), forbid), expected
-    except Tripwire as trip:  # sent back as a value: the message alone says it all
-        return trip, expected
+    with comm.CommLog() as theirs:
+        expected = reference(*copy.deepcopy(inputs))
+    with comm.CommLog() as mine:
+        try:
+            got = _call_guarded(student, copy.deepcopy(inputs), forbid)
+        except Tripwire as trip:  # sent back as a value: the message alone says it all
+            got = trip
+    return got, expected, (Traffic.of(mine), Traffic.of(theirs))
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """How one rank communicated in one call: collectives by kind, the peers of its
+    point-to-point calls, and the bytes it sent (comm's ring model for collectives)."""
+
+    collectives: Counter
+    sent_to: frozenset
+    received_from: frozenset
+    bytes_sent: int
+
+    @classmethod
+    def of(cls, log: "comm.CommLog") -> "Traffic":
+        kinds = [_kind(r.op) for r in log.records]
+        return cls(Counter(k for k in kinds if k not in ("send", "recv")),
+                   frozenset(r.peer for r, k in zip(log.records, kinds) if k == "send"),
+                   frozenset(r.peer for r, k in zip(log.records, kinds) if k == "recv"),
+                   log.wire_bytes())
+
+
+def _kind(op: str) -> str:
+    """send/isend -> send, all_gather_into_tensor -> all_gather, _reduce_scatter_base -> reduce_scatter, ..."""
+    op = op.lstrip("_")
+    if op in ("isend", "irecv"):
+        return op[1:]
+    for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        if op.startswith(kind):
+            return kind
+    return op
+
+
+def _compare_traffic(traffic: list[tuple[Traffic, Traffic]], where: str) -> None:
+    """Same collectives on each rank, point-to-point only with the reference's peers, and the
+    same bytes sent by all ranks together (how the bytes split over ranks may differ)."""
+    for rank, (mine, theirs) in enumerate(traffic):
+        if mine.collectives != theirs.collectives:
+            raise AssertionError(f"{where}, rank {rank}: it called {_calls(mine.collectives)}; the reference calls "
+                                 f"{_calls(theirs.collectives)}")
+        for verb, got, want in (("sent to", mine.sent_to, theirs.sent_to),
+                                ("received from", mine.received_from, theirs.received_from)):
+            if not got <= want:
+                raise AssertionError(f"{where}, rank {rank}: it {verb} ranks {sorted(got)}; the reference only "
+                                     f"{verb} {sorted(want) or 'no rank'}")
+    got, want = (sum(t[i].bytes_sent for t in traffic) for i in (0, 1))
+    if got != want:
+        raise AssertionError(f"{where}: the ranks sent {got:,} bytes in all; the reference sends {want:,}")
+
+
+def _calls(collectives: Counter) -> str:
+    return ", ".join(f"{kind} x{n}" for kind, n in sorted(collectives.items())) or "no collective"
 
 
 def _call_guarded(fn, args, forbid: dict[Callable, str]):

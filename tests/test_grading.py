@@ -2,6 +2,7 @@
 import threading
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from parakit import comm, grading
@@ -115,3 +116,77 @@ def test_tripwire_sees_calls_from_threads_the_student_starts():
         grading.check_local(in_a_thread, lambda m, n: 2 * (n - 1) / n * m, [(1024, 4)],
                             forbid={comm.ring_bytes: "use the formula"})
     assert threading.getprofile() is None
+
+
+# ---------------------------------------------------------------- same_traffic
+
+def sum_through_rank_0(tensor):
+    """Right values, wrong algorithm: everyone sends to rank 0, which sends the sum back."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        for peer in range(1, n):
+            incoming = torch.empty_like(tensor)
+            dist.recv(incoming, peer)
+            tensor += incoming
+        for peer in range(1, n):
+            dist.send(tensor, peer)
+    else:
+        dist.send(tensor, 0)
+        dist.recv(tensor, 0)
+    return tensor
+
+
+def ring_passing_whole_tensors(tensor):
+    """Right values and neighbours, too many bytes: the whole tensor goes around the ring."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    passing, total = tensor.clone(), tensor.clone()
+    for _ in range(n - 1):
+        incoming = torch.empty_like(passing)
+        request = dist.isend(passing, (rank + 1) % n)
+        dist.recv(incoming, (rank - 1) % n)
+        request.wait()
+        passing = incoming
+        total += incoming
+    return tensor.copy_(total)
+
+
+def ring_with_reversed_chunks(tensor):
+    """A ring like parakit's with the chunks numbered the other way: other bytes per rank, same in all."""
+    flipped = tensor.flip(0).contiguous()
+    comm.ring_all_reduce(flipped)
+    return tensor.copy_(flipped.flip(0))
+
+
+def sum_with_reduce_and_broadcast(tensor):
+    dist.reduce(tensor, 0)
+    dist.broadcast(tensor, 0)
+    return tensor
+
+
+def odd_vector(r):
+    return (r.randn(4 * r.randint(1, 5) + 1),)
+
+
+def test_same_traffic_passes_a_ring_whatever_its_chunk_order(capsys):
+    grading.check(ring_with_reversed_chunks, comm.ring_all_reduce, odd_vector, world_sizes=[4], same_traffic=True)
+    assert "passed: ring_with_reversed_chunks" in capsys.readouterr().out
+
+
+def test_same_traffic_fails_a_gather_to_rank_0_written_with_send_and_recv():
+    grading.check(sum_through_rank_0, comm.ring_all_reduce, odd_vector, world_sizes=[4], quiet=True)  # values agree
+    with pytest.raises(AssertionError, match=r"sum_through_rank_0 on 4 ranks, trial 1 \(seed \d+\), rank 0: it sent "
+                                             r"to ranks \[1, 2, 3\]; the reference only sent to \[1\]"):
+        grading.check(sum_through_rank_0, comm.ring_all_reduce, odd_vector, world_sizes=[4], same_traffic=True)
+
+
+def test_same_traffic_fails_a_ring_that_sends_more_bytes_in_all():
+    with pytest.raises(AssertionError, match=r"the ranks sent (\d|,)+ bytes in all; the reference sends (\d|,)+"):
+        grading.check(ring_passing_whole_tensors, comm.ring_all_reduce, odd_vector, world_sizes=[4],
+                      same_traffic=True)
+
+
+def test_same_traffic_fails_other_collectives_naming_both_sets():
+    with pytest.raises(AssertionError, match=r"rank 0: it called broadcast x1, reduce x1; the reference calls "
+                                             r"all_gather x1, reduce_scatter x1"):
+        grading.check(sum_with_reduce_and_broadcast, comm.all_reduce_two_phase, odd_vector, world_sizes=[2],
+                      same_traffic=True)
