@@ -43,7 +43,7 @@ def main(rank, world_size, backend, store_port, conn, out_w, err_w, timeout_s):
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller cancels us; Ctrl-C is its own
     _set_environment(rank, world_size, store_port)
-    comm.install()
+    comm.install(wait_for_gpu=backend == "nccl")
     _adopt_seed_style_calls(backend)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if backend == "nccl":

@@ -93,6 +93,7 @@ class _Tracker:
 
 TRACKER = _Tracker()
 _OPEN_LOGS: list["CommLog"] = []
+_WAIT_FOR_GPU = {"on": False}  # blocking calls wait for their GPU work (see install)
 _thread = threading.local()  # .depth: 1 while this thread is inside a metered call
 
 # op name -> (tensor arguments whose bytes count, name of the peer argument, name of the root argument)
@@ -153,7 +154,10 @@ def _wrap(name: str, fn):
         _thread.depth = 1
         start = time.perf_counter()
         try:
-            return fn(*args, **kwargs)
+            work = fn(*args, **kwargs)
+            if work is None and _WAIT_FOR_GPU["on"]:
+                _wait_for_gpu(signature.bind_partial(*args, **kwargs).arguments, tensor_args)
+            return work
         finally:
             seconds = time.perf_counter() - start
             _thread.depth = 0
@@ -200,8 +204,23 @@ def _record(name, bound, tensor_args, peer, root_arg, seconds) -> CommRecord:
     )
 
 
-def install() -> None:
-    """Wrap torch.distributed's communication functions with the meter (idempotent)."""
+def _wait_for_gpu(bound, tensor_args) -> None:
+    """Block until the GPU has run what this call queued (NCCL returns at once)."""
+    for tensor in (t for a in tensor_args for t in _tensors(bound.get(a))):
+        if tensor.is_cuda:
+            torch.cuda.current_stream(tensor.device).synchronize()
+            return
+
+
+def install(wait_for_gpu: bool | None = None) -> None:
+    """Wrap torch.distributed's communication functions with the meter (idempotent).
+
+    wait_for_gpu (left as it is when None; off at first): a blocking call (async_op=False)
+    on CUDA tensors returns only when the GPU has run it, as on gloo. The launcher's workers set it under NCCL so that the meter's
+    times are the collective's and ranks that hang in mismatched collectives wait inside
+    the call, where the launcher can name it, instead of at some later synchronisation."""
+    if wait_for_gpu is not None:
+        _WAIT_FOR_GPU["on"] = wait_for_gpu
     for name in _OPS:
         fn = getattr(c10d, name, None)
         if fn is None or getattr(fn, "_parakit_metered", False):

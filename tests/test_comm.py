@@ -160,6 +160,27 @@ def test_calls_from_two_threads_are_each_recorded():
     assert parakit.launch(send_while_another_thread_receives, world_size=2) == [["recv", "send"]] * 2
 
 
+def gloo_worker_waits_for_gpu_after_a_log_and_a_cpu_all_reduce():
+    before = comm._WAIT_FOR_GPU["on"]
+    comm.install(wait_for_gpu=True)
+    try:
+        with CommLog() as log:  # entering a log installs the meter again: the setting stays
+            x = torch.ones(3)
+            dist.all_reduce(x)  # CPU tensors: nothing to wait for
+        return before, comm._WAIT_FOR_GPU["on"], x, log.count("all_reduce")
+    finally:
+        comm.install(wait_for_gpu=False)
+
+
+def test_waiting_for_the_gpu_is_off_on_gloo_and_kept_by_later_logs():
+    """Under NCCL the launcher's workers make blocking calls wait for their GPU work; on gloo
+    they do not, and opening a CommLog leaves the setting as it was."""
+    for before, after, x, count in parakit.launch(gloo_worker_waits_for_gpu_after_a_log_and_a_cpu_all_reduce,
+                                                  world_size=2):
+        assert (before, after, count) == (False, True, 1)
+        assert torch.equal(x, torch.full((3,), 2.0))
+
+
 def test_ring_bytes_follow_the_documented_ring_model():
     assert ring_bytes("all_reduce", 400, 4) == 600  # 2(n-1)/n
     assert ring_bytes("all_reduce", 400, 1) == 0
