@@ -143,6 +143,18 @@ def test_pools_of_two_and_four_ranks_coexist():
     assert_pool_works(4)
 
 
+def test_least_recently_used_pool_is_stopped_when_too_many_workers_would_live(monkeypatch):
+    monkeypatch.setattr(launcher, "MAX_POOL_WORKERS", 7)
+    launcher.shutdown()
+    two, four = worker_pids(2), worker_pids(4)  # 6 workers; the 2-rank pool is the older
+    three = worker_pids(3)                      # 9 > 7: the 2-rank pool stops, the 4-rank one stays
+    assert wait_gone(two) == [] and worker_pids(4) == four
+    again = worker_pids(2)                      # 9 > 7 again: now the 3-rank pool is the oldest
+    assert wait_gone(three) == [] and not set(again) & set(two) and worker_pids(4) == four
+    assert_pool_works(2)
+    assert_pool_works(3)
+
+
 def test_explicit_gloo_backend_runs_on_the_auto_pool():
     assert parakit.launch(dist.get_backend, world_size=2, backend="gloo") == ["gloo", "gloo"]
     assert parakit.launch(os.getpid, world_size=2, backend="gloo") == worker_pids(2)
