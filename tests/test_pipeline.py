@@ -203,6 +203,9 @@ def test_committed_lessons_match_the_solutions():
     if not list((REPO / "solutions").glob("*.ipynb")):
         pytest.skip("no solution notebooks yet")
     assert course.generate(REPO / "lessons", REPO / "solutions", check=True) == []
+    for path in sorted((REPO / "lessons").glob("*.ipynb")):
+        with_outputs = [i for i, c in enumerate(panel.load(path).cells) if c.cell_type == "code" and c.outputs]
+        assert not with_outputs, f"{path.name} was committed with outputs in cells {with_outputs}: regenerate it"
 
 
 # ---------------------------------------------------------------------------- validate
