@@ -60,3 +60,11 @@ def test_ranks_bad_backend_is_refused(ip):
     # "no NCCL" on a CPU build of torch, "one GPU per rank" on a CUDA build without 2 GPUs
     with pytest.raises(ValueError, match="backend 'nccl'.*use backend='gloo'"):
         ip.run_cell_magic("ranks", "2 --backend nccl", "pass")
+
+
+def test_ranks_death_is_reported_with_how_it_died_and_the_next_cell_runs(ip, capsys):
+    with pytest.raises(parakit.RankDied, match="rank 1 died: exited with code 5"):
+        ip.run_cell_magic("ranks", "2", "import os, torch.distributed as dist\n"
+                                        "if dist.get_rank() == 1:\n    os._exit(5)")
+    ip.run_cell_magic("ranks", "2", "import torch.distributed as dist\ndist.get_world_size()")
+    assert "[rank 1] 2" in capsys.readouterr().out
