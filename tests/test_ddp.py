@@ -64,12 +64,15 @@ def seeded(cls):
     return lambda seed: (torch.manual_seed(seed), cls())[1]
 
 
-def train(model, params, x, y, steps, opt_name, finish=lambda: None):
-    """`steps` steps of full-batch MSE training; `x`, `y` are this process's rows."""
+def train(model, params, x, y, steps, opt_name, finish=lambda: None, pieces=1):
+    """`steps` steps of full-batch MSE training; `x`, `y` are this process's rows, fed in
+    `pieces` equal slices of one forward each (the mean of their losses is the batch's loss;
+    a BatchNorm normalises each slice on its own, as it does each rank's rows under DDP)."""
     opt = {"sgd": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9),
            "adamw": lambda: torch.optim.AdamW(params, lr=0.05)}[opt_name]()
     for step in range(steps):
-        nn.functional.mse_loss(model(x[step]), y[step]).backward()
+        slices = zip(x[step].chunk(pieces), y[step].chunk(pieces))
+        (sum(nn.functional.mse_loss(model(a), b) for a, b in slices) / pieces).backward()
         finish()
         opt.step()
         opt.zero_grad()  # set_to_none=True: every gradient is None at the next step
@@ -85,11 +88,12 @@ def shards(seed, n, steps=3, rows=4, features=6, outputs=3):
 
 
 def against_one_process(seed, make, opt_name):
-    """Each wrapper trains 3 steps on this rank's rows; one process trains on all rows."""
+    """Each wrapper trains 3 steps on this rank's rows; one process trains on all rows (in
+    the ranks' slices)."""
     n = dist.get_world_size()
     x, y, my_x, my_y = shards(seed, n)
     reference = make(seed)
-    train(reference, reference.parameters(), x, y, 3, opt_name)
+    train(reference, reference.parameters(), x, y, 3, opt_name, pieces=n)
     out = {}
     for kind in WRAPPERS:
         net = make(seed + dist.get_rank())  # different on each rank: the wrap broadcasts rank 0's
@@ -103,7 +107,7 @@ def against_one_process(seed, make, opt_name):
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 def test_every_wrapper_trains_like_one_process_on_the_whole_batch(world_size, opt_name):
     seed = random.randrange(2**20)
-    for make in (mlp, seeded(Tied)):
+    for make in (mlp, seeded(Tied), seeded(FrozenNorm)):
         results = parakit.launch(against_one_process, seed, make, opt_name, world_size=world_size)
         for rank, (errors, reference) in enumerate(results):
             for kind, per_param in errors.items():
@@ -142,6 +146,11 @@ def test_every_wrapper_matches_torch_ddp_on_mlp_tied_and_frozen_batchnorm_models
                 torch.testing.assert_close(results[rank][kind], results[0][kind], rtol=0, atol=0)
 
 
+def wide_mlp() -> nn.Sequential:
+    """Four layers; weights 64 KiB, 256 KiB, 256 KiB, 10 KiB."""
+    return mlp(0, sizes=(64, 256, 256, 256, 10))
+
+
 def counts(kind, make, kwargs=None):
     """The all-reduces of one synchronised step (count, bytes each) and the number of parameters."""
     net = make()
@@ -156,23 +165,45 @@ def counts(kind, make, kwargs=None):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_collectives_per_step_are_one_per_parameter_one_or_one_per_bucket(world_size):
-    wide = lambda: mlp(0, sizes=(64, 256, 256, 256, 10))  # weights 64 KiB, 256 KiB, 256 KiB, 10 KiB
-    grad_bytes = 4 * sum(p.numel() for p in wide().parameters())
+    grad_bytes = 4 * sum(p.numel() for p in wide_mlp().parameters())
     for kind in ("NaiveDDP", "OverlapDDP"):
-        for total, sizes, n_params in parakit.launch(counts, kind, wide, world_size=world_size):
+        for total, sizes, n_params in parakit.launch(counts, kind, wide_mlp, world_size=world_size):
             assert total == len(sizes) == n_params == 8 and sum(sizes) == grad_bytes
-    for total, sizes, _ in parakit.launch(counts, "FlatDDP", wide, world_size=world_size):
+    for total, sizes, _ in parakit.launch(counts, "FlatDDP", wide_mlp, world_size=world_size):
         assert (total, sizes) == (1, [grad_bytes])
     # 0.3 MiB = 314572 B, in reverse order: [b4, w4, b3, w3 (256 KiB), b2] = 267.0 KiB, then w2 (256 KiB)
     # would not fit: [w2, b1] = 257 KiB, then w1 (64 KiB) would not fit: [w1]
     nbytes = lambda *numels: 4 * sum(numels)
     expected = [nbytes(10, 2560, 256, 65536, 256), nbytes(65536, 256), nbytes(16384)]
-    for total, sizes, _ in parakit.launch(counts, "BucketedDDP", wide, {"bucket_size_mb": 0.3}, world_size=world_size):
+    for total, sizes, _ in parakit.launch(counts, "BucketedDDP", wide_mlp, {"bucket_size_mb": 0.3}, world_size=world_size):
         assert (total, sizes) == (3, expected)
-    for total, sizes, _ in parakit.launch(counts, "BucketedDDP", wide, {"bucket_size_mb": None}, world_size=world_size):
+    for total, sizes, _ in parakit.launch(counts, "BucketedDDP", wide_mlp, {"bucket_size_mb": None}, world_size=world_size):
         assert (total, sizes) == (1, [grad_bytes])
-    buckets = ddp.assign_buckets(list(wide().parameters()), 0.3)
+    buckets = ddp.assign_buckets(list(wide_mlp().parameters()), 0.3)
     assert [len(b) for b in buckets] == [5, 2, 1]
+
+
+def during_backward(kind, kwargs):
+    """The all-reduces issued inside loss.backward() of one step, and how many of them had
+    been issued when the backward of layer 0 (the last to run) started."""
+    net = wide_mlp()
+    model = getattr(ddp, kind)(net, **kwargs)
+    log, before_layer_0 = CommLog(), []
+    net[0].register_full_backward_pre_hook(lambda *_: before_layer_0.append(log.count("all_reduce")))
+    loss = model(torch.randn(4, 64)).square().mean()
+    with log:
+        loss.backward()
+    model.finish_gradient_synchronization()
+    return log.count("all_reduce"), before_layer_0
+
+
+@pytest.mark.parametrize("kind, kwargs, during, before_layer_0", [
+    ("NaiveDDP", {}, 8, 6), ("OverlapDDP", {}, 8, 6), ("FlatDDP", {}, 0, 0),
+    ("BucketedDDP", {"bucket_size_mb": 0.3}, 3, 1),  # buckets [b4 w4 b3 w3 b2] [w2 b1] [w1]: the first only
+    ("BucketedDDP", {"bucket_size_mb": None}, 1, 0)])
+def test_all_reduces_start_during_backward_before_the_first_layer_s_backward(kind, kwargs, during, before_layer_0):
+    for issued, before in parakit.launch(during_backward, kind, kwargs, world_size=2):
+        assert (issued, before) == (during, [before_layer_0]), kind
 
 
 def test_tied_weight_is_reduced_once():
@@ -249,6 +280,23 @@ def test_no_sync_accumulates_locally_and_the_next_backward_equals_one_big_batch(
             torch.testing.assert_close(grads, expected, rtol=1e-5, atol=1e-6)
             assert inside == 0
             assert last == {"NaiveDDP": 6, "OverlapDDP": 6, "FlatDDP": 1, "BucketedDDP": 1}[kind]
+
+
+def same_parameters(make):
+    """For each wrapper: its parameters() are the wrapped module's, the same objects in order."""
+    out = {}
+    for kind in WRAPPERS:
+        net = make(0)
+        model = getattr(ddp, kind)(net)
+        mine, theirs = list(model.parameters()), list(net.parameters())
+        out[kind] = (len(mine), len(theirs), all(a is b for a, b in zip(mine, theirs)))
+    return out
+
+
+def test_every_wrapper_s_parameters_are_the_module_s_same_objects_in_the_same_order():
+    for make, n_params in ((mlp, 6), (seeded(Tied), 3), (seeded(FrozenNorm), 7)):
+        for per_kind in parakit.launch(same_parameters, make, world_size=2):
+            assert per_kind == dict.fromkeys(WRAPPERS, (n_params, n_params, True))
 
 
 def forget_finish(kind):
