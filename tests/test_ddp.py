@@ -216,7 +216,9 @@ def test_tied_weight_is_reduced_once():
 
 def unused_branch(seed, kind, used_on):
     """FrozenNorm with its branch used only on ranks in `used_on`; gradients after one step
-    and the number of all-reduces, with the reference: the average of every rank's gradient."""
+    and the number of all-reduces (in backward, in all), with the reference: the average of
+    every rank's gradient. With 1e-4 MiB buckets BucketedDDP has 5: [branch.bias]
+    [branch.weight] [head.bias] [head.weight] [norm.bias norm.weight]."""
     torch.manual_seed(seed)
     net = FrozenNorm().eval()  # eval: batch statistics would make ranks' gradients differ from one process
     reference = copy.deepcopy(net)
@@ -224,32 +226,59 @@ def unused_branch(seed, kind, used_on):
     n, r = dist.get_world_size(), dist.get_rank()
     x, y, my_x, my_y = shards(seed, n, steps=1)
     net.use_branch = r in used_on
+    loss = nn.functional.mse_loss(model(my_x[0]), my_y[0])
     with CommLog() as log:
-        nn.functional.mse_loss(model(my_x[0]), my_y[0]).backward()
+        with CommLog() as in_backward:
+            loss.backward()
         model.finish_gradient_synchronization()
     for rank in range(n):  # the reference: each rank's loss on its rows, averaged
         reference.use_branch = rank in used_on
         rows = slice(rank * 4, (rank + 1) * 4)
         (nn.functional.mse_loss(reference(x[0, rows]), y[0, rows]) / n).backward()
     grads = {name: p.grad for name, p in net.named_parameters()}
-    return grads, {name: p.grad for name, p in reference.named_parameters()}, log.count("all_reduce")
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    return grads, expected, (in_backward.count("all_reduce"), log.count("all_reduce"))
 
 
 @pytest.mark.parametrize("kind", WRAPPERS)
 def test_branch_unused_on_every_rank_does_not_stall_and_keeps_grad_none(kind):
-    for grads, expected, n_all_reduce in parakit.launch(unused_branch, 3, kind, (), world_size=2):
+    for grads, expected, all_reduces in parakit.launch(unused_branch, 3, kind, (), world_size=2):
         assert grads["branch.weight"] is None and grads["branch.bias"] is None
         assert grads["frozen.weight"] is None
         torch.testing.assert_close(grads, expected, rtol=1e-5, atol=1e-7)
-        assert n_all_reduce == {"NaiveDDP": 4, "OverlapDDP": 4, "FlatDDP": 1, "BucketedDDP": 5}[kind]
+        # BucketedDDP: the unused branch fills the first two buckets in forward, so all 5 go out in backward
+        assert all_reduces == {"NaiveDDP": (4, 4), "OverlapDDP": (4, 4), "FlatDDP": (0, 1), "BucketedDDP": (5, 5)}[kind]
 
 
 @pytest.mark.parametrize("kind", ["FlatDDP", "BucketedDDP"])
 def test_branch_used_on_one_rank_only_gives_every_rank_the_average(kind):
     results = parakit.launch(unused_branch, 4, kind, (0,), world_size=2)
-    for grads, expected, _ in results:
+    for grads, expected, all_reduces in results:
         assert grads["branch.weight"] is not None
         torch.testing.assert_close(grads, expected, rtol=1e-5, atol=1e-7)
+        assert all_reduces == {"FlatDDP": (0, 1), "BucketedDDP": (5, 5)}[kind]  # the same on both ranks
+
+
+def loss_outside_forward():
+    """BucketedDDP of FrozenNorm without its branch, and a loss that uses branch.weight
+    outside forward: the error backward raises."""
+    torch.manual_seed(0)
+    net = FrozenNorm()
+    net.use_branch = False
+    model = BucketedDDP(net, bucket_size_mb=1e-4)
+    loss = model(torch.randn(4, 6)).square().mean() + net.branch.weight.square().sum()
+    try:
+        loss.backward()
+    except RuntimeError as error:
+        return str(error)
+
+
+def test_a_parameter_unused_by_forward_that_gets_a_gradient_anyway_raises():
+    for message in parakit.launch(loss_outside_forward, world_size=2):
+        assert message == ("parameter 'branch.weight' got a gradient, but the output of forward does not depend on "
+                           "it, so BucketedDDP counted it as unused and reduces its bucket without that gradient: "
+                           "use it inside the module's forward (a loss term on it too), not outside the model")
+    assert parakit.launch(lambda: BucketedDDP(mlp(0)) is not None, world_size=2) == [True, True]  # the pool works
 
 
 def accumulate(seed, kind, micro):
