@@ -86,6 +86,14 @@ def test_balanced_data_parallel_and_dim1_equal_one_device():
                                outputs_and_grads(reference, list(reference.parameters()), x))
 
 
+def test_dim1_splits_the_rows_of_dim1_even_when_dim0_is_empty():
+    model, reference = mlp(8, 16, 5), mlp(8, 16, 5)
+    x = torch.randn(0, 5, 8)  # no rows along dim 0, five along dim 1
+    out = dp.DataParallel(model, [0, 1], dim=1)(x)
+    torch.testing.assert_close(out, reference(x))
+    assert out.shape == (0, 5, 5)
+
+
 def test_frozen_parameters_and_buffers_are_copied_without_gradients():
     reference, model = mlp(8, 16, 5), mlp(8, 16, 5)
     for m in (reference, model):
@@ -185,7 +193,13 @@ def test_device0_peak_is_highest_and_balanced_split_and_loss_in_forward_lower_it
     (lambda: dp.BalancedDataParallel(5, nn.Linear(2, 2), [0, 1])(torch.ones(3, 2)), ValueError,
      "gpu0_bsz=5 must be an int between 0 and the batch size 3"),
     (lambda: dp.DataParallel(nn.Linear(2, 2), [0, 1])(torch.ones(0, 2)), ValueError,
-     "a batch of shape (0, 2) cannot be split: pass at least one row"),
+     "a batch of shape (0, 2) cannot be split along dim 0: pass at least one row"),
+    (lambda: dp.DataParallel(nn.Linear(2, 2), [0, 1], dim=1)(torch.ones(3, 0, 2)), ValueError,
+     "a batch of shape (3, 0, 2) cannot be split along dim 1: pass at least one row"),
+    (lambda: dp.DataParallel(nn.Linear(2, 2), [0, 1], dim=2)(torch.ones(3, 2)), ValueError,
+     "dim=2 is not a dimension of the batch of shape (3, 2): pass dim between -2 and 1"),
+    (lambda: dp.DataParallel(nn.Linear(2, 2), [0, 1])(torch.tensor(1.0)), ValueError,
+     "a 0-dim tensor cannot be split: pass a batch with a dimension of rows"),
     (lambda: dp.DataParallel(nn.Linear(2, 2), [0, 1])([[1.0, 2.0]]), TypeError,
      "DataParallel scatters tensors; got a list: pass tensors"),
     (lambda: dp.DataParallel(nn.Linear(2, 2), [0, 1], output_device=3)(torch.ones(2, 2)), ValueError,
