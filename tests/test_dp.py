@@ -63,13 +63,21 @@ def test_chunk_sizes_sum_to_the_batch_and_give_device0_gpu0_bsz_when_smaller():
 
 @pytest.mark.parametrize("num_devices", [1, 2, 3, 4])
 def test_data_parallel_equals_one_device_on_random_batches(num_devices):
-    for trial in range(4):
-        batch = random.randint(1, 9)  # includes batches smaller than the device count
+    seed = random.randrange(2**20)
+    rng = random.Random(seed)
+    # always: one row, fewer rows than devices, one row each, n + 1 rows (ceil gives 2 each: the last device of
+    # 3 or 4 gets none), two rows each; then four random sizes
+    fixed = [1, num_devices - 1, num_devices, num_devices + 1, 2 * num_devices]
+    batches = sorted({b for b in fixed if b > 0}) + [rng.randint(1, 9) for _ in range(4)]
+    for trial, batch in enumerate(batches):
         reference, model = mlp(8, 16, 5, seed=trial), mlp(8, 16, 5, seed=trial)
-        x = torch.randn(batch, 3, 8)
+        x = torch.randn(batch, 3, 8, generator=torch.Generator().manual_seed(seed + trial))
         expected = outputs_and_grads(reference, list(reference.parameters()), x)
         got = outputs_and_grads(dp.DataParallel(model, list(range(num_devices))), list(model.parameters()), x)
-        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(got, expected, msg=lambda m: f"batch {batch} on {num_devices} devices "
+                                                                f"(seed {seed}): {m}")
+    if num_devices >= 3:
+        assert dp.even_chunk_sizes(num_devices + 1, num_devices)[-1] == 0  # the idle-device case is among them
 
 
 def test_balanced_data_parallel_and_dim1_equal_one_device():
