@@ -18,13 +18,18 @@ big batch. They differ in when and how the gradients travel:
   bucket's async all-reduce starts when its last gradient is ready, buckets in order.
 
 A parameter shared by several modules (tied weights) is one tensor and is reduced once. A
-parameter that gets no gradient this step does not stall anything: FlatDDP and BucketedDDP
-reduce it as zeros at `finish_gradient_synchronization()`, so every rank issues the same
-all-reduces in the same order even when ranks disagree on which parameters were used; its
-`.grad` stays None where no rank gave it a gradient, and where some ranks did, every rank
-gets the average. NaiveDDP and OverlapDDP reduce only parameters with a gradient, so ranks
-must agree on which parameters they use (else their all-reduces pair up wrongly).
-Forgetting `finish_gradient_synchronization()` raises at the next forward or backward.
+parameter that gets no gradient this step does not stall anything. BucketedDDP, like torch's
+DDP with `find_unused_parameters=True`, walks the autograd graph of forward's output and
+counts the parameters it does not reach as ready at once (their current gradient, or zeros,
+goes into their bucket), so every bucket goes out during backward; a parameter counted so
+that then gets a gradient anyway (the loss used it outside forward) raises. FlatDDP reduces
+such a parameter as zeros at `finish_gradient_synchronization()`. Both issue the same
+all-reduces in the same order on every rank even when ranks disagree on which parameters
+were used; a `.grad` stays None where no rank gave it a gradient, and where some ranks did,
+every rank gets the average. NaiveDDP and OverlapDDP reduce only parameters with a
+gradient, so ranks must agree on which parameters they use (else their all-reduces pair up
+wrongly). Forgetting `finish_gradient_synchronization()` raises at the next forward or
+backward.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 
 __all__ = ["NaiveDDP", "FlatDDP", "OverlapDDP", "BucketedDDP", "assign_buckets", "allreduce_hook",
@@ -182,8 +188,9 @@ class _Bucket:
         self.future = None
 
     def fill(self, index: int) -> None:
-        """Copy the gradient of params[index] into its place in the buffer."""
-        self.buffer[self.slices[index]].copy_(self.params[index].grad.reshape(-1))  # [numel]
+        """Copy the gradient of params[index] (zeros if it has none) into its place in the buffer."""
+        grad, place = self.params[index].grad, self.buffer[self.slices[index]]  # place: [numel]
+        place.zero_() if grad is None else place.copy_(grad.reshape(-1))
         self.filled.add(index)
 
     @property
@@ -192,13 +199,10 @@ class _Bucket:
 
     def launch(self, hook, group, world_size: int) -> None:
         """Sends: what `hook` sends for the whole buffer (by default an all-reduce of its bytes).
-        Parameters whose hook did not fire go in as they are: their gradient or zeros."""
-        for index, param in enumerate(self.params):
+        Parameters not filled yet go in as they are: their gradient or zeros."""
+        for index in range(len(self.params)):
             if index not in self.filled:
-                if param.grad is None:
-                    self.buffer[self.slices[index]].zero_()
-                else:
-                    self.fill(index)
+                self.fill(index)
         self.buffer.div_(world_size)
         self.future = hook(self.buffer, group)
 
@@ -275,6 +279,22 @@ def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float | None) -> 
     return buckets
 
 
+def _parameters_reached(output) -> set[int]:
+    """The ids of the tensors that backward from `output` (any nest of tensors) accumulates
+    gradients into: the AccumulateGrad nodes of its autograd graph, and leaves in `output`."""
+    tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+    reached = {id(t) for t in tensors if t.requires_grad and t.grad_fn is None}
+    todo, seen = [t.grad_fn for t in tensors if t.grad_fn is not None], set()
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            if hasattr(node, "variable"):  # AccumulateGrad
+                reached.add(id(node.variable))
+            todo.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return reached
+
+
 class BucketedDDP(_DataParallel):
     """Buckets of gradients, each all-reduced asynchronously as soon as it is full."""
 
@@ -285,13 +305,35 @@ class BucketedDDP(_DataParallel):
         self.buckets = [_Bucket(params) for params in assign_buckets(self._params, bucket_size_mb)]
         self._place = {id(p): (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
         self._next = 0  # the next bucket to launch: buckets go in order, the same on every rank
+        self._unused: set[int] = set()  # ids of the parameters the last forward's output does not reach
         self.comm_hook = allreduce_hook
 
     def register_comm_hook(self, hook) -> None:
         """Reduce each bucket with `hook(flat, group) -> Future[Tensor]` (see allreduce_hook)."""
         self.comm_hook = hook
 
+    def forward(self, *args, **kwargs):
+        output = super().forward(*args, **kwargs)
+        self._mark_unused(output if self._sync and torch.is_grad_enabled() else None)
+        return output
+
+    def _mark_unused(self, output) -> None:
+        """Count the parameters that `output` does not depend on (none if it is None) as
+        ready: their gradient or zeros goes into their bucket now, so backward launches it."""
+        for bucket in self.buckets:  # no hook has fired since the last finish: only old marks here
+            bucket.filled.clear()
+        reached = {id(p) for p in self._params} if output is None else _parameters_reached(output)
+        self._unused = {id(p) for p in self._params if id(p) not in reached}
+        for pid in self._unused:
+            b, index = self._place[pid]
+            self.buckets[b].fill(index)
+
     def _on_grad_ready(self, param):
+        if id(param) in self._unused:
+            name = next(n for n, p in self.module.named_parameters() if p is param)
+            raise RuntimeError(f"parameter {name!r} got a gradient, but the output of forward does not depend on "
+                               "it, so BucketedDDP counted it as unused and reduces its bucket without that gradient: "
+                               "use it inside the module's forward (a loss term on it too), not outside the model")
         b, index = self._place[id(param)]
         self.buckets[b].fill(index)
         while self._next < len(self.buckets) and self.buckets[self._next].full:
@@ -310,4 +352,5 @@ class BucketedDDP(_DataParallel):
             for bucket in self.buckets:
                 bucket.unpack()
             self._next = 0
+        self._unused.clear()
         super().finish_gradient_synchronization()

@@ -64,12 +64,15 @@ def seeded(cls):
     return lambda seed: (torch.manual_seed(seed), cls())[1]
 
 
-def train(model, params, x, y, steps, opt_name, finish=lambda: None):
-    """`steps` steps of full-batch MSE training; `x`, `y` are this process's rows."""
+def train(model, params, x, y, steps, opt_name, finish=lambda: None, pieces=1):
+    """`steps` steps of full-batch MSE training; `x`, `y` are this process's rows, fed in
+    `pieces` equal slices of one forward each (the mean of their losses is the batch's loss;
+    a BatchNorm normalises each slice on its own, as it does each rank's rows under DDP)."""
     opt = {"sgd": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9),
            "adamw": lambda: torch.optim.AdamW(params, lr=0.05)}[opt_name]()
     for step in range(steps):
-        nn.functional.mse_loss(model(x[step]), y[step]).backward()
+        slices = zip(x[step].chunk(pieces), y[step].chunk(pieces))
+        (sum(nn.functional.mse_loss(model(a), b) for a, b in slices) / pieces).backward()
         finish()
         opt.step()
         opt.zero_grad()  # set_to_none=True: every gradient is None at the next step
@@ -85,11 +88,12 @@ def shards(seed, n, steps=3, rows=4, features=6, outputs=3):
 
 
 def against_one_process(seed, make, opt_name):
-    """Each wrapper trains 3 steps on this rank's rows; one process trains on all rows."""
+    """Each wrapper trains 3 steps on this rank's rows; one process trains on all rows (in
+    the ranks' slices)."""
     n = dist.get_world_size()
     x, y, my_x, my_y = shards(seed, n)
     reference = make(seed)
-    train(reference, reference.parameters(), x, y, 3, opt_name)
+    train(reference, reference.parameters(), x, y, 3, opt_name, pieces=n)
     out = {}
     for kind in WRAPPERS:
         net = make(seed + dist.get_rank())  # different on each rank: the wrap broadcasts rank 0's
@@ -103,7 +107,7 @@ def against_one_process(seed, make, opt_name):
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 def test_every_wrapper_trains_like_one_process_on_the_whole_batch(world_size, opt_name):
     seed = random.randrange(2**20)
-    for make in (mlp, seeded(Tied)):
+    for make in (mlp, seeded(Tied), seeded(FrozenNorm)):
         results = parakit.launch(against_one_process, seed, make, opt_name, world_size=world_size)
         for rank, (errors, reference) in enumerate(results):
             for kind, per_param in errors.items():
@@ -142,6 +146,11 @@ def test_every_wrapper_matches_torch_ddp_on_mlp_tied_and_frozen_batchnorm_models
                 torch.testing.assert_close(results[rank][kind], results[0][kind], rtol=0, atol=0)
 
 
+def wide_mlp() -> nn.Sequential:
+    """Four layers; weights 64 KiB, 256 KiB, 256 KiB, 10 KiB."""
+    return mlp(0, sizes=(64, 256, 256, 256, 10))
+
+
 def counts(kind, make, kwargs=None):
     """The all-reduces of one synchronised step (count, bytes each) and the number of parameters."""
     net = make()
@@ -156,23 +165,45 @@ def counts(kind, make, kwargs=None):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_collectives_per_step_are_one_per_parameter_one_or_one_per_bucket(world_size):
-    wide = lambda: mlp(0, sizes=(64, 256, 256, 256, 10))  # weights 64 KiB, 256 KiB, 256 KiB, 10 KiB
-    grad_bytes = 4 * sum(p.numel() for p in wide().parameters())
+    grad_bytes = 4 * sum(p.numel() for p in wide_mlp().parameters())
     for kind in ("NaiveDDP", "OverlapDDP"):
-        for total, sizes, n_params in parakit.launch(counts, kind, wide, world_size=world_size):
+        for total, sizes, n_params in parakit.launch(counts, kind, wide_mlp, world_size=world_size):
             assert total == len(sizes) == n_params == 8 and sum(sizes) == grad_bytes
-    for total, sizes, _ in parakit.launch(counts, "FlatDDP", wide, world_size=world_size):
+    for total, sizes, _ in parakit.launch(counts, "FlatDDP", wide_mlp, world_size=world_size):
         assert (total, sizes) == (1, [grad_bytes])
     # 0.3 MiB = 314572 B, in reverse order: [b4, w4, b3, w3 (256 KiB), b2] = 267.0 KiB, then w2 (256 KiB)
     # would not fit: [w2, b1] = 257 KiB, then w1 (64 KiB) would not fit: [w1]
     nbytes = lambda *numels: 4 * sum(numels)
     expected = [nbytes(10, 2560, 256, 65536, 256), nbytes(65536, 256), nbytes(16384)]
-    for total, sizes, _ in parakit.launch(counts, "BucketedDDP", wide, {"bucket_size_mb": 0.3}, world_size=world_size):
+    for total, sizes, _ in parakit.launch(counts, "BucketedDDP", wide_mlp, {"bucket_size_mb": 0.3}, world_size=world_size):
         assert (total, sizes) == (3, expected)
-    for total, sizes, _ in parakit.launch(counts, "BucketedDDP", wide, {"bucket_size_mb": None}, world_size=world_size):
+    for total, sizes, _ in parakit.launch(counts, "BucketedDDP", wide_mlp, {"bucket_size_mb": None}, world_size=world_size):
         assert (total, sizes) == (1, [grad_bytes])
-    buckets = ddp.assign_buckets(list(wide().parameters()), 0.3)
+    buckets = ddp.assign_buckets(list(wide_mlp().parameters()), 0.3)
     assert [len(b) for b in buckets] == [5, 2, 1]
+
+
+def during_backward(kind, kwargs):
+    """The all-reduces issued inside loss.backward() of one step, and how many of them had
+    been issued when the backward of layer 0 (the last to run) started."""
+    net = wide_mlp()
+    model = getattr(ddp, kind)(net, **kwargs)
+    log, before_layer_0 = CommLog(), []
+    net[0].register_full_backward_pre_hook(lambda *_: before_layer_0.append(log.count("all_reduce")))
+    loss = model(torch.randn(4, 64)).square().mean()
+    with log:
+        loss.backward()
+    model.finish_gradient_synchronization()
+    return log.count("all_reduce"), before_layer_0
+
+
+@pytest.mark.parametrize("kind, kwargs, during, before_layer_0", [
+    ("NaiveDDP", {}, 8, 6), ("OverlapDDP", {}, 8, 6), ("FlatDDP", {}, 0, 0),
+    ("BucketedDDP", {"bucket_size_mb": 0.3}, 3, 1),  # buckets [b4 w4 b3 w3 b2] [w2 b1] [w1]: the first only
+    ("BucketedDDP", {"bucket_size_mb": None}, 1, 0)])
+def test_all_reduces_start_during_backward_before_the_first_layer_s_backward(kind, kwargs, during, before_layer_0):
+    for issued, before in parakit.launch(during_backward, kind, kwargs, world_size=2):
+        assert (issued, before) == (during, [before_layer_0]), kind
 
 
 def test_tied_weight_is_reduced_once():
@@ -185,7 +216,9 @@ def test_tied_weight_is_reduced_once():
 
 def unused_branch(seed, kind, used_on):
     """FrozenNorm with its branch used only on ranks in `used_on`; gradients after one step
-    and the number of all-reduces, with the reference: the average of every rank's gradient."""
+    and the number of all-reduces (in backward, in all), with the reference: the average of
+    every rank's gradient. With 1e-4 MiB buckets BucketedDDP has 5: [branch.bias]
+    [branch.weight] [head.bias] [head.weight] [norm.bias norm.weight]."""
     torch.manual_seed(seed)
     net = FrozenNorm().eval()  # eval: batch statistics would make ranks' gradients differ from one process
     reference = copy.deepcopy(net)
@@ -193,32 +226,59 @@ def unused_branch(seed, kind, used_on):
     n, r = dist.get_world_size(), dist.get_rank()
     x, y, my_x, my_y = shards(seed, n, steps=1)
     net.use_branch = r in used_on
+    loss = nn.functional.mse_loss(model(my_x[0]), my_y[0])
     with CommLog() as log:
-        nn.functional.mse_loss(model(my_x[0]), my_y[0]).backward()
+        with CommLog() as in_backward:
+            loss.backward()
         model.finish_gradient_synchronization()
     for rank in range(n):  # the reference: each rank's loss on its rows, averaged
         reference.use_branch = rank in used_on
         rows = slice(rank * 4, (rank + 1) * 4)
         (nn.functional.mse_loss(reference(x[0, rows]), y[0, rows]) / n).backward()
     grads = {name: p.grad for name, p in net.named_parameters()}
-    return grads, {name: p.grad for name, p in reference.named_parameters()}, log.count("all_reduce")
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    return grads, expected, (in_backward.count("all_reduce"), log.count("all_reduce"))
 
 
 @pytest.mark.parametrize("kind", WRAPPERS)
 def test_branch_unused_on_every_rank_does_not_stall_and_keeps_grad_none(kind):
-    for grads, expected, n_all_reduce in parakit.launch(unused_branch, 3, kind, (), world_size=2):
+    for grads, expected, all_reduces in parakit.launch(unused_branch, 3, kind, (), world_size=2):
         assert grads["branch.weight"] is None and grads["branch.bias"] is None
         assert grads["frozen.weight"] is None
         torch.testing.assert_close(grads, expected, rtol=1e-5, atol=1e-7)
-        assert n_all_reduce == {"NaiveDDP": 4, "OverlapDDP": 4, "FlatDDP": 1, "BucketedDDP": 5}[kind]
+        # BucketedDDP: the unused branch fills the first two buckets in forward, so all 5 go out in backward
+        assert all_reduces == {"NaiveDDP": (4, 4), "OverlapDDP": (4, 4), "FlatDDP": (0, 1), "BucketedDDP": (5, 5)}[kind]
 
 
 @pytest.mark.parametrize("kind", ["FlatDDP", "BucketedDDP"])
 def test_branch_used_on_one_rank_only_gives_every_rank_the_average(kind):
     results = parakit.launch(unused_branch, 4, kind, (0,), world_size=2)
-    for grads, expected, _ in results:
+    for grads, expected, all_reduces in results:
         assert grads["branch.weight"] is not None
         torch.testing.assert_close(grads, expected, rtol=1e-5, atol=1e-7)
+        assert all_reduces == {"FlatDDP": (0, 1), "BucketedDDP": (5, 5)}[kind]  # the same on both ranks
+
+
+def loss_outside_forward():
+    """BucketedDDP of FrozenNorm without its branch, and a loss that uses branch.weight
+    outside forward: the error backward raises."""
+    torch.manual_seed(0)
+    net = FrozenNorm()
+    net.use_branch = False
+    model = BucketedDDP(net, bucket_size_mb=1e-4)
+    loss = model(torch.randn(4, 6)).square().mean() + net.branch.weight.square().sum()
+    try:
+        loss.backward()
+    except RuntimeError as error:
+        return str(error)
+
+
+def test_a_parameter_unused_by_forward_that_gets_a_gradient_anyway_raises():
+    for message in parakit.launch(loss_outside_forward, world_size=2):
+        assert message == ("parameter 'branch.weight' got a gradient, but the output of forward does not depend on "
+                           "it, so BucketedDDP counted it as unused and reduces its bucket without that gradient: "
+                           "use it inside the module's forward (a loss term on it too), not outside the model")
+    assert parakit.launch(lambda: BucketedDDP(mlp(0)) is not None, world_size=2) == [True, True]  # the pool works
 
 
 def accumulate(seed, kind, micro):
@@ -249,6 +309,23 @@ def test_no_sync_accumulates_locally_and_the_next_backward_equals_one_big_batch(
             torch.testing.assert_close(grads, expected, rtol=1e-5, atol=1e-6)
             assert inside == 0
             assert last == {"NaiveDDP": 6, "OverlapDDP": 6, "FlatDDP": 1, "BucketedDDP": 1}[kind]
+
+
+def same_parameters(make):
+    """For each wrapper: its parameters() are the wrapped module's, the same objects in order."""
+    out = {}
+    for kind in WRAPPERS:
+        net = make(0)
+        model = getattr(ddp, kind)(net)
+        mine, theirs = list(model.parameters()), list(net.parameters())
+        out[kind] = (len(mine), len(theirs), all(a is b for a, b in zip(mine, theirs)))
+    return out
+
+
+def test_every_wrapper_s_parameters_are_the_module_s_same_objects_in_the_same_order():
+    for make, n_params in ((mlp, 6), (seeded(Tied), 3), (seeded(FrozenNorm), 7)):
+        for per_kind in parakit.launch(same_parameters, make, world_size=2):
+            assert per_kind == dict.fromkeys(WRAPPERS, (n_params, n_params, True))
 
 
 def forget_finish(kind):

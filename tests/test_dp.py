@@ -63,13 +63,21 @@ def test_chunk_sizes_sum_to_the_batch_and_give_device0_gpu0_bsz_when_smaller():
 
 @pytest.mark.parametrize("num_devices", [1, 2, 3, 4])
 def test_data_parallel_equals_one_device_on_random_batches(num_devices):
-    for trial in range(4):
-        batch = random.randint(1, 9)  # includes batches smaller than the device count
+    seed = random.randrange(2**20)
+    rng = random.Random(seed)
+    # always: one row, fewer rows than devices, one row each, n + 1 rows (ceil gives 2 each: the last device of
+    # 3 or 4 gets none), two rows each; then four random sizes
+    fixed = [1, num_devices - 1, num_devices, num_devices + 1, 2 * num_devices]
+    batches = sorted({b for b in fixed if b > 0}) + [rng.randint(1, 9) for _ in range(4)]
+    for trial, batch in enumerate(batches):
         reference, model = mlp(8, 16, 5, seed=trial), mlp(8, 16, 5, seed=trial)
-        x = torch.randn(batch, 3, 8)
+        x = torch.randn(batch, 3, 8, generator=torch.Generator().manual_seed(seed + trial))
         expected = outputs_and_grads(reference, list(reference.parameters()), x)
         got = outputs_and_grads(dp.DataParallel(model, list(range(num_devices))), list(model.parameters()), x)
-        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(got, expected, msg=lambda m: f"batch {batch} on {num_devices} devices "
+                                                                f"(seed {seed}): {m}")
+    if num_devices >= 3:
+        assert dp.even_chunk_sizes(num_devices + 1, num_devices)[-1] == 0  # the idle-device case is among them
 
 
 def test_balanced_data_parallel_and_dim1_equal_one_device():
@@ -84,6 +92,14 @@ def test_balanced_data_parallel_and_dim1_equal_one_device():
     x = torch.randn(3, 7, 8)
     torch.testing.assert_close(outputs_and_grads(dp.DataParallel(model, [0, 1], dim=1), list(model.parameters()), x),
                                outputs_and_grads(reference, list(reference.parameters()), x))
+
+
+def test_dim1_splits_the_rows_of_dim1_even_when_dim0_is_empty():
+    model, reference = mlp(8, 16, 5), mlp(8, 16, 5)
+    x = torch.randn(0, 5, 8)  # no rows along dim 0, five along dim 1
+    out = dp.DataParallel(model, [0, 1], dim=1)(x)
+    torch.testing.assert_close(out, reference(x))
+    assert out.shape == (0, 5, 5)
 
 
 def test_frozen_parameters_and_buffers_are_copied_without_gradients():
@@ -185,7 +201,13 @@ def test_device0_peak_is_highest_and_balanced_split_and_loss_in_forward_lower_it
     (lambda: dp.BalancedDataParallel(5, nn.Linear(2, 2), [0, 1])(torch.ones(3, 2)), ValueError,
      "gpu0_bsz=5 must be an int between 0 and the batch size 3"),
     (lambda: dp.DataParallel(nn.Linear(2, 2), [0, 1])(torch.ones(0, 2)), ValueError,
-     "a batch of shape (0, 2) cannot be split: pass at least one row"),
+     "a batch of shape (0, 2) cannot be split along dim 0: pass at least one row"),
+    (lambda: dp.DataParallel(nn.Linear(2, 2), [0, 1], dim=1)(torch.ones(3, 0, 2)), ValueError,
+     "a batch of shape (3, 0, 2) cannot be split along dim 1: pass at least one row"),
+    (lambda: dp.DataParallel(nn.Linear(2, 2), [0, 1], dim=2)(torch.ones(3, 2)), ValueError,
+     "dim=2 is not a dimension of the batch of shape (3, 2): pass dim between -2 and 1"),
+    (lambda: dp.DataParallel(nn.Linear(2, 2), [0, 1])(torch.tensor(1.0)), ValueError,
+     "a 0-dim tensor cannot be split: pass a batch with a dimension of rows"),
     (lambda: dp.DataParallel(nn.Linear(2, 2), [0, 1])([[1.0, 2.0]]), TypeError,
      "DataParallel scatters tensors; got a list: pass tensors"),
     (lambda: dp.DataParallel(nn.Linear(2, 2), [0, 1], output_device=3)(torch.ones(2, 2)), ValueError,

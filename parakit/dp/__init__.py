@@ -51,7 +51,7 @@ class DataParallel(nn.Module):
         return even_chunk_sizes(batch_size, len(self.devices))
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        check_inputs(inputs)
+        check_inputs(inputs, self.dim)
         sizes = self.chunk_sizes(inputs[0].shape[self.dim])
         return data_parallel(self.module, inputs, self.devices, self.output_device, sizes, self.dim)
 

@@ -178,7 +178,7 @@ def data_parallel(module: nn.Module, inputs: Sequence[torch.Tensor], device_ids:
     """
     devices = resolve_devices(device_ids)
     out = devices[0] if output_device is None else _output_device(devices, output_device)
-    check_inputs(inputs)
+    check_inputs(inputs, dim)
     sizes = list(chunk_sizes or even_chunk_sizes(inputs[0].shape[dim], len(devices)))
     used = [d for d, s in zip(devices, sizes) if s > 0]
     per_input = [scatter(x, devices, sizes, dim) for x in inputs]
@@ -194,11 +194,18 @@ def _output_device(devices: list[torch.device], output_device: int) -> torch.dev
     raise ValueError(f"output_device={output_device} is not one of the devices {[d.index for d in devices]}")
 
 
-def check_inputs(inputs) -> None:
+def check_inputs(inputs, dim: int = 0) -> None:
+    """Raise unless `inputs` are tensors, the first with at least one row along `dim`."""
     if not inputs:
         raise ValueError("DataParallel needs at least one input tensor to split")
     for x in inputs:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"DataParallel scatters tensors; got a {type(x).__name__}: pass tensors")
-    if inputs[0].dim() == 0 or inputs[0].shape[0] == 0:
-        raise ValueError(f"a batch of shape {tuple(inputs[0].shape)} cannot be split: pass at least one row")
+    shape = tuple(inputs[0].shape)
+    if not shape:
+        raise ValueError("a 0-dim tensor cannot be split: pass a batch with a dimension of rows")
+    if not -len(shape) <= dim < len(shape):
+        raise ValueError(f"dim={dim} is not a dimension of the batch of shape {shape}: "
+                         f"pass dim between {-len(shape)} and {len(shape) - 1}")
+    if shape[dim] == 0:
+        raise ValueError(f"a batch of shape {shape} cannot be split along dim {dim}: pass at least one row")
