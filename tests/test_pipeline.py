@@ -226,6 +226,7 @@ def test_validate_complains_about_a_lesson_whose_tests_pass(built, tmp_path):
 
 # ---------------------------------------------------------------------------- grade
 
+@pytest.mark.timeout(1500)  # grading the panel (the `graded` fixture) runs inside this test's limit
 def test_panel_gets_the_expected_scores(built, graded):
     got = {s.name: graded.scores.get(s.name) for s in built.students}
     want = {s.name: expected_scores(built, s) for s in built.students}
