@@ -404,21 +404,18 @@ class _Call:
 
     def _hung(self) -> bool:
         """Every unfinished rank has waited HANG_GRACE s in a communication call (by fresh
-        reports), and none of them can complete: some rank already returned, they wait in
-        different collectives, or a send/recv waits for a rank that is not its counterpart."""
+        reports), and none of them can complete it, judged from what each rank has called
+        (see `can_complete`): not from time alone, so a rank slowed by a loaded machine is
+        not taken for a hung one."""
         waiting = self.unfinished()
         fresh = {r: self.status.get(r) for r in waiting}
         if not waiting or any(s is None or s["current"] is None or s["received"] < self.last_ask
                               or s["waiting"] < HANG_GRACE for s in fresh.values()):
             return False
-        current = {r: s["current"] for r, s in fresh.items()}  # rank -> (op, seq, peer)
-        if self.replies:  # only a recv of a message a returned rank already sent may still finish
-            return not all(peer in self.replies and message_on_its_way(
-                rank, op, peer, self.replies[peer][3], self.status[rank]["messages"])
-                for rank, (op, _, peer) in current.items())
-        if any(peer is not None for _, _, peer in current.values()):
-            return not _p2p_matched(current)
-        return len({(op, seq) for op, seq, _ in current.values()}) > 1
+        calls = {r: (reply[2], reply[3]) for r, reply in self.replies.items()}
+        calls.update({r: (s["current"][1], s["messages"]) for r, s in fresh.items()})
+        current = {r: s["current"] for r, s in fresh.items()}
+        return not any(can_complete(r, current, calls) for r in waiting)
 
     def _hang_error(self, kind, headline) -> LaunchError:
         self._refresh_status()
@@ -479,20 +476,21 @@ class _Call:
         return (RankDied if self.deaths else RankError)("\n".join(lines), failures)
 
 
-def message_on_its_way(rank: int, op: str, peer: int, peer_messages: dict, messages: dict) -> bool:
-    """`rank` waits in `op` with `peer`, which has returned: only a recv can still complete,
-    when `peer` sent `rank` at least as many messages as `rank` has posted receives for
-    from it (this one included). `messages`: {("send" | "recv", rank): count} of each side."""
-    return op in ("recv", "irecv") and peer_messages.get(("send", rank), 0) >= messages.get(("recv", peer), 0)
+def can_complete(rank: int, current: dict[int, tuple], calls: dict[int, tuple[int, dict]]) -> bool:
+    """Whether `rank`, waiting in current[rank] = (op, seq, peer), can still complete it.
 
-
-def _p2p_matched(current: dict[int, tuple]) -> bool:
-    """True if every rank waits in a send or recv whose counterpart waits on the other side."""
-    sides = {("send", "isend"): ("recv", "irecv"), ("recv", "irecv"): ("send", "isend")}
-    for rank, (op, _, peer) in current.items():
-        other = current.get(peer)
-        mine = next((k for k in sides if op in k), None)
-        if mine is None or other is None or other[0] not in sides[mine] or other[2] != rank:
+    current: the call each waiting rank is in; calls: every rank's (calls made, counting the
+    one it waits in, {("send" | "recv", peer): messages}), the returned ranks' final. A recv
+    completes when the peer has sent it at least as many messages as it has posted receives
+    for; a send when the peer has posted as many receives; a collective (op, seq) when every
+    other rank has made at least `seq` calls and, if it waits at `seq` itself, in the same op.
+    """
+    op, seq, peer = current[rank]
+    if peer is not None:
+        mine, want = ("recv", "send") if op in ("recv", "irecv") else ("send", "recv")
+        return calls[peer][1].get((want, rank), 0) >= calls[rank][1].get((mine, peer), 0)
+    for other, (made, _) in calls.items():
+        if other != rank and (made < seq or made == seq and other in current and current[other][0] != op):
             return False
     return True
 

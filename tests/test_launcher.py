@@ -430,14 +430,22 @@ def test_ranks_that_all_block_in_send_or_all_in_recv_raise_collective_hang(op):
     assert f"rank 0 waits in {op} #1" in str(caught.value) and f"rank 1 waits in {op} #1" in str(caught.value)
 
 
-def test_a_recv_from_a_returned_rank_is_a_hang_only_when_no_message_is_left_on_its_way():
-    """Ring step: rank 2 isends to rank 0, receives from rank 1, waits, returns; rank 0 may
-    still sit in its recv from rank 2 when the launcher looks: not a hang."""
-    ring_sender = {("send", 0): 2, ("recv", 1): 2}
-    assert launcher.message_on_its_way(0, "recv", 2, ring_sender, {("send", 1): 2, ("recv", 2): 2})
-    assert not launcher.message_on_its_way(0, "recv", 2, ring_sender, {("send", 1): 3, ("recv", 2): 3})
-    assert not launcher.message_on_its_way(0, "recv", 2, {("recv", 0): 2}, {("recv", 2): 1})
-    assert not launcher.message_on_its_way(0, "send", 2, ring_sender, {("send", 2): 1})
+def test_a_waiting_call_can_complete_when_the_others_have_made_their_side_of_it():
+    """The launcher's rule, from what each rank has called: a slow rank is not a hung one."""
+    ring = {("send", 0): 2, ("recv", 1): 2}  # rank 2 of a ring step: isend to 0, recv from 1, returned
+    assert launcher.can_complete(0, {0: ("recv", 4, 2)}, {0: (4, {("send", 1): 2, ("recv", 2): 2}), 2: (4, ring)})
+    assert not launcher.can_complete(0, {0: ("recv", 5, 2)}, {0: (5, {("recv", 2): 3}), 2: (4, ring)})
+    both_send = {0: ("send", 1, 1), 1: ("send", 1, 0)}
+    assert not launcher.can_complete(0, both_send, {0: (1, {("send", 1): 1}), 1: (1, {("send", 0): 1})})
+    assert launcher.can_complete(0, {0: ("send", 1, 1), 1: ("recv", 1, 0)},
+                                 {0: (1, {("send", 1): 1}), 1: (1, {("recv", 0): 1})})
+    behind = {0: ("all_reduce", 3, None), 1: ("all_reduce", 4, None)}  # rank 1 finished #3 first
+    assert launcher.can_complete(0, behind, {0: (3, {}), 1: (4, {})})
+    assert not launcher.can_complete(1, behind, {0: (3, {}), 1: (4, {})})
+    mismatched = {0: ("all_reduce", 1, None), 1: ("broadcast", 1, None)}
+    assert not any(launcher.can_complete(r, mismatched, {0: (1, {}), 1: (1, {})}) for r in (0, 1))
+    assert launcher.can_complete(0, {0: ("all_gather", 2, None)}, {0: (2, {}), 1: (2, {})})  # rank 1 returned after it
+    assert not launcher.can_complete(0, {0: ("all_reduce", 1, None)}, {0: (1, {}), 1: (0, {})})  # rank 1 skipped it
 
 
 def test_busy_rank_past_the_timeout_raises_launch_timeout():
