@@ -265,30 +265,36 @@ def zero_memory_bars(measured: dict[int, Sequence[dict]], predicted: dict[int, d
     return ax.figure
 
 
-def zero_calculator(billions: float = 7.5, n: int = 64, k: int = 12, stage: int = 3, param_bytes: int = 2,
-                    grad_bytes: int = 2):
-    """Gigabytes per rank of parameters, gradients and optimizer state for a model of
-    `billions` of parameters on n ranks at each stage (zero.zero_bytes); `stage` is outlined."""
+BYTE_UNITS = [(1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "bytes")]
+
+
+def zero_calculator(params: float = 7.5e9, n: int = 64, k: int = 12, stage: int = 3, param_bytes: int = 2,
+                    grad_bytes: int = 2) -> dict[int, float]:
+    """Bytes per rank of parameters, gradients and optimizer state for a model of `params`
+    parameters on n ranks at each stage (zero.zero_bytes), drawn as bars with `stage`
+    outlined; returns each stage's total bytes per rank."""
     from parakit.zero import zero_bytes
 
+    held = {s: zero_bytes(params, n, s, k, param_bytes, grad_bytes) for s in range(4)}
+    scale, unit = next((v, u) for v, u in BYTE_UNITS if sum(held[0].values()) >= v or u == "bytes")
     fig, ax = plt.subplots(figsize=(8, 3.2))
     for s in range(4):
-        held = zero_bytes(billions * 1e9, n, s, k, param_bytes, grad_bytes)
         left = 0.0
         for kind, colour in ZERO_KINDS.items():
-            ax.barh(s, held[kind] / 1e9, left=left, color=colour, label=kind if s == 0 else None,
+            ax.barh(s, held[s][kind] / scale, left=left, color=colour, label=kind if s == 0 else None,
                     edgecolor="black" if s == stage else None, linewidth=2 if s == stage else 0)
-            left += held[kind] / 1e9
-        ax.text(left, s, f"  {left:,.1f} GB", va="center", fontsize=9, fontweight="bold" if s == stage else None)
+            left += held[s][kind] / scale
+        ax.text(left, s, f"  {left:,.1f} {unit}", va="center", fontsize=9, fontweight="bold" if s == stage else None)
     ax.set_yticks(range(4), ZERO_STAGES, fontsize=8)
     ax.set_ylim(3.6, -0.6)
-    ax.set_xlabel("GB per rank (parameters, gradients, optimizer state; no activations)")
-    ax.set_title(f"Ψ = {billions:g} B parameters, N = {n}, K = {k}, {param_bytes}+{grad_bytes} bytes "
+    ax.set_xlabel(f"{unit} per rank (parameters, gradients, optimizer state; no activations)")
+    size = f"{params / 1e9:g} B" if params >= 1e9 else f"{params:,.0f}"
+    ax.set_title(f"Ψ = {size} parameters, N = {n}, K = {k}, {param_bytes}+{grad_bytes} bytes "
                  f"per parameter and gradient", fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
-    ax.set_xlim(0, 1.25 * (param_bytes + grad_bytes + k) * billions)
+    ax.set_xlim(0, 1.25 * sum(held[0].values()) / scale)
     fig.tight_layout()
-    return fig
+    return {s: sum(h.values()) for s, h in held.items()}
 
 
 # ---------------------------------------------------------------- lesson 04: pipeline schedules

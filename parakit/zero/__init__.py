@@ -8,12 +8,15 @@
     loss_fn(model(x), y).backward(); model.finish_gradient_synchronization(); optimizer.step()
 
 `ShardedOptimizer` gives each parameter (whole, as torch's ZeroRedundancyOptimizer does:
-largest first, to the rank with the fewest elements so far) one owner. Its `step()` reduces
-each gradient to its owner (stage 1; stage 2 does it during backward and drops the
-gradients a rank does not own), the owner steps it with its own `optimizer_cls`, and each
-owner broadcasts its updated parameters. Any torch.optim class works, as each owner
-steps whole parameters. A rank sends about Psi(N-1)/N for the gradients and as much for
-the parameters: 2 Psi per step, as all-reduce does.
+largest first, to the rank with the fewest elements so far) one owner. Each gradient is
+reduced (`dist.reduce`) to its owner: each rank receives the sum of exactly the gradients
+it owns, so together these reduces are a reduce-scatter whose pieces are whole parameters
+(of uneven sizes). Stage 1 reduces in `step()`; stage 2 reduces each gradient in backward
+as soon as it is accumulated and drops it on the ranks that do not own it. The owner
+steps its parameters with its own `optimizer_cls` and broadcasts them: the all-gather
+half. Any torch.optim class works, as each owner steps whole parameters. A rank sends
+about Psi(N-1)/N for the gradients and as much for the parameters: 2 Psi per step, as
+all-reduce does.
 
 `FullyShardedDataParallel` flattens the trainable parameters of each unit (a submodule you
 name, the rest in the root unit), pads them to a multiple of N and keeps 1/N: the flat

@@ -25,7 +25,10 @@ class ShardedOptimizer:
 
     `params`: tensors or param-group dicts, as for `optimizer_cls`; gradients are this rank's
     own (no DDP): the optimizer averages them, so every rank must give gradients to the same
-    parameters. Each rank keeps the state of its parameters only; `state_dict()` gathers the whole state, as `optimizer_cls` would save it.
+    parameters. Each rank keeps the state of its parameters only; `state_dict()` gathers the
+    whole state, as `optimizer_cls` would save it. Each gradient is reduced to its owner (in
+    `step()` at stage 1, in backward at stage 2, where the other ranks drop it): a
+    reduce-scatter whose pieces are whole parameters, one `dist.reduce` per piece.
     """
 
     def __init__(self, params, optimizer_cls, *, stage: int = 1, group=None, **defaults):
@@ -60,8 +63,9 @@ class ShardedOptimizer:
         return self.optimizer.state
 
     def _reduce_gradient(self, param: torch.Tensor) -> None:
-        """Averages `param.grad` onto its owner: each rank divides by N and the sum is reduced
-        to the owner (its bytes, along a chain); the other ranks drop their copy at stage 2."""
+        """Averages `param.grad` onto its owner: each rank divides by N and the sum goes to the
+        owner only (dist.reduce: its bytes, along a chain; one piece of the reduce-scatter);
+        the other ranks drop their copy at stage 2."""
         owner = self._owner_of(param)
         param.grad.div_(self.world_size)
         dist.reduce(param.grad, self._global(owner), group=self.group)

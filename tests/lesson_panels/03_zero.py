@@ -11,8 +11,11 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     equal sizes of the visible tests), and needs no padding in the sharded linear (each 0 on
     the hidden tests); the borrower all-reduces in the ZeRO-1 step, builds parakit's ShardedOptimizer in
     the ZeRO-2 backward and wraps the layer in parakit's FSDP (each 0 by the tripwires); the
-    kernel hangs in the ZeRO-2 backward and dies in the sharded linear."""
-    pts = panel.points(panel.load(lesson))
+    kernel hangs in the ZeRO-2 backward and dies in the sharded linear. `keeps_full_weight`
+    saves the gathered buffer for backward (and gathers again there, so that values and
+    all-gather counts are right): 0 on the sharded linear, for the bytes its forward leaves alive."""
+    full = panel.full_solution(panel.load(lesson), panel.load(solution))
+    name, pts = lesson.name, panel.points(panel.load(lesson))
     hardcoded = {
         "zero1_step": "def zero1_step(params, owners, optimizer):\n    n = dist.get_world_size()\n"
                       "    with torch.no_grad():\n        for i, p in enumerate(params):\n"
@@ -47,9 +50,26 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
                           "    layer = zero.FullyShardedDataParallel(nn.Linear(in_features, out_features))\n"
                           "    return layer(x)\n",
     }
+    keeps_full_weight = {
+        "sharded_linear": "def sharded_linear(shard, x, out_features, in_features):\n"
+                          "    return KeepsWeight.apply(shard, x, out_features, in_features)\n\n"
+                          "def gather(shard):\n    full = torch.empty(dist.get_world_size() * shard.numel())\n"
+                          "    dist.all_gather_single(full, shard.detach())\n    return full\n\n"
+                          "class KeepsWeight(torch.autograd.Function):\n    @staticmethod\n"
+                          "    def forward(ctx, shard, x, o, i):\n        full = gather(shard)\n"
+                          "        ctx.save_for_backward(shard, x, full)  # the full parameters, kept until backward\n"
+                          "        ctx.sizes = o, i\n        return x @ full[:o * i].view(o, i).T + full[o * i:o * (i + 1)]\n\n"
+                          "    @staticmethod\n    def backward(ctx, gy):\n        shard, x, _ = ctx.saved_tensors\n"
+                          "        o, i = ctx.sizes\n        full = gather(shard)\n        flat = torch.zeros_like(full)\n"
+                          "        flat[:o * (i + 1)] = torch.cat([(gy.T @ x).reshape(-1), gy.sum(0)])\n"
+                          "        g = torch.empty_like(shard)\n        dist.reduce_scatter_single(g, flat)\n"
+                          "        return g / dist.get_world_size(), gy @ full[:o * i].view(o, i), None, None\n",
+    }
     return panel.standard_panel(
         lesson, solution, hang_in="zero2_backward", crash_in="sharded_linear",
-        hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0), borrowed=borrowed)
+        hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0), borrowed=borrowed,
+        extra=[panel.Student("keeps_full_weight", {name: panel.with_sources(full, keeps_full_weight)},
+                             {**pts, "test_sharded_linear": 0.0})])
 
 
 LESSON = panel.Lesson(REPO / "solutions" / "03_zero.ipynb", students, timeout=45)
