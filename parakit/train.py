@@ -25,11 +25,11 @@ import torch.distributed as dist
 from torch import nn
 
 from parakit.ddp import BucketedDDP
-from parakit.launcher import device
+from parakit.launcher import device, select_backend
 from parakit.mesh import Mesh
 from parakit.pipeline import dp_pp_step, split_stages
 
-__all__ = ["parse_args", "build_model", "train", "main"]
+__all__ = ["parse_args", "build_model", "train", "node_backend", "main"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="BucketedDDP's bucket size for the dp all-reduces")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
-    p.add_argument("--backend", default="auto", help="gloo, nccl, or auto: nccl when each rank has a GPU")
+    p.add_argument("--backend", default="auto", help="gloo, nccl, or auto: nccl when every rank on this node has a GPU")
     p.add_argument("--save", type=Path, help="folder for a checkpoint after the last step")
     p.add_argument("--resume", type=Path, help="folder of a checkpoint to start from")
     p.add_argument("--losses-to", type=Path, help="write the losses here as JSON (rank 0)")
@@ -211,12 +211,20 @@ def _load(folder: Path, stage, optimizer, rank: int) -> int:
     return state["step"]
 
 
+def node_backend(backend: str, local_world_size: int, gpus: int, nccl_built: bool) -> str:
+    """The launcher's rule on one node: NCCL needs a GPU for each of the node's ranks
+    (torchrun's LOCAL_WORLD_SIZE); "auto" falls back to gloo, "nccl" is refused."""
+    try:
+        return select_backend(backend, local_world_size, gpus, nccl_built)
+    except ValueError as error:
+        raise ValueError(f"on this node (LOCAL_WORLD_SIZE={local_world_size}): {error}") from None
+
+
 def main(argv=None) -> list[float]:
     """Entry point under torchrun (or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
     args = parse_args(argv)
-    backend = args.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = node_backend(args.backend, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), gpus, dist.is_nccl_available())
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend)

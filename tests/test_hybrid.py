@@ -134,6 +134,31 @@ def test_a_batch_that_does_not_split_across_replicas_and_microbatches_is_refused
         "batch 6 does not split into dp 2 x 2 micro-batches: pick a multiple of 4"}
 
 
+@pytest.mark.parametrize("backend, local_world_size, gpus, nccl_built, chosen", [
+    ("auto", 4, 4, True, "nccl"), ("auto", 4, 2, True, "gloo"), ("auto", 4, 4, False, "gloo"),
+    ("gloo", 4, 8, True, "gloo"), ("nccl", 4, 4, True, "nccl")])
+def test_trainer_picks_nccl_only_with_a_gpu_for_every_rank_on_its_node(backend, local_world_size, gpus, nccl_built,
+                                                                        chosen):
+    from parakit.train import node_backend
+    assert node_backend(backend, local_world_size, gpus, nccl_built) == chosen
+
+
+def test_trainer_refuses_nccl_with_fewer_gpus_than_ranks_on_its_node():
+    from parakit.train import node_backend
+    with pytest.raises(ValueError, match=r"^on this node \(LOCAL_WORLD_SIZE=4\): backend 'nccl' needs one GPU per rank: "
+                                         r"world_size=4 but 2 GPU\(s\) are visible; use backend='gloo'"):
+        node_backend("nccl", 4, 2, True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
+def test_trainer_cli_refuses_nccl_without_gpus_before_joining_the_world(monkeypatch):
+    from parakit.train import main
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"^on this node \(LOCAL_WORLD_SIZE=2\): backend 'nccl' needs one GPU per rank"):
+        main(["--backend", "nccl"])
+    assert not dist.is_initialized()
+
+
 # ---------------------------------------------------------------- two torchrun "nodes" on this machine's loopback
 
 def free_port() -> int:
