@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO
+from conftest import REPO, processes_with
 
 import parakit
 from parakit.mesh import Mesh, mesh_coords, mesh_groups, mesh_rank
@@ -167,15 +168,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_run(nodes, marker: str) -> list[int]:
+    """Stop each torchrun agent's process group (SIGTERM: the agent stops its workers; SIGKILL
+    if it has not within 30 s), reap them, and return the pids of the run still alive."""
+    for node in nodes:
+        for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(node.pid, sig)
+            except ProcessLookupError:  # the group is empty: the agent and all it left there are gone
+                break
+            try:
+                node.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    return processes_with(marker)
+
+
 def test_two_torchrun_nodes_of_four_processes_give_the_same_losses(tmp_path, one_process_losses):
     port = free_port()
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "parakit-test",
                "-m", "parakit.train", *TWO_NODE_MESH, *SMALL, "--backend", "gloo"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    run_id = f"{os.getpid()}-{port}"  # in the environment of the agents and of their workers
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PARAKIT_TORCHRUN_TEST": run_id}
     logs = [open(tmp_path / f"node{n}.txt", "w+") for n in range(2)]  # files, not pipes: nothing blocks on a full pipe
     nodes = [subprocess.Popen(command + (["--losses-to", str(tmp_path / "losses.json")] if n == 0 else []),
-                              cwd=tmp_path, env=env, stdout=logs[n], stderr=subprocess.STDOUT) for n in range(2)]
+                              cwd=tmp_path, env=env, stdout=logs[n], stderr=subprocess.STDOUT, start_new_session=True)
+             for n in range(2)]
     deadline = time.monotonic() + 300
     try:  # a node that fails leaves the other waiting in the rendezvous: stop at the first failure
         while any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
@@ -183,9 +203,13 @@ def test_two_torchrun_nodes_of_four_processes_give_the_same_losses(tmp_path, one
                 break
             time.sleep(0.5)
     finally:
-        for node in nodes:
-            node.kill()
+        left = stop_run(nodes, f"PARAKIT_TORCHRUN_TEST={run_id}")
+        for pid in left:  # the workers torchrun starts in sessions of their own
+            os.kill(pid, signal.SIGKILL)
+        for log in logs:
+            log.close()
     outputs = [(tmp_path / f"node{n}.txt").read_text() for n in range(2)]
+    assert left == [], f"processes {left} of the torchrun run outlived it"
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)
     logged = [p for p in tmp_path.glob("losses.json")]
     printed = [line for out in outputs for line in out.splitlines() if " loss " in line]
