@@ -171,7 +171,7 @@ def train(args) -> list[float]:
     balance = even_balance(len(model), args.pp)
     mine = nn.ModuleList(split_stages(model, balance)[mesh.pp_rank])
     optimizer = torch.optim.AdamW(mine.parameters(), lr=args.lr)
-    first = _load(args.resume, mine, optimizer, mesh.rank) if args.resume else 0
+    first = _load(args.resume, mine, optimizer, mesh) if args.resume else 0
     replica = BucketedDDP(mine, args.bucket_mb, process_group=mesh.dp_group)  # averages over the dp group
     losses = []
     for step in range(first, first + args.steps):
@@ -182,7 +182,7 @@ def train(args) -> list[float]:
         optimizer.step()
         losses.append(_global_loss(loss, mesh))
     if args.save:
-        _save(args.save, mine, optimizer, first + args.steps, mesh.rank)
+        _save(args.save, mine, optimizer, first + args.steps, mesh)
     return losses
 
 
@@ -194,18 +194,30 @@ def _global_loss(loss, mesh: Mesh) -> float:
     return total.item() / (mesh.dp * mesh.tp)
 
 
-def _save(folder: Path, stage, optimizer, step: int, rank: int) -> None:
-    """Each rank writes its own stage's parameters and optimizer state (no communication)."""
+def _save(folder: Path, stage, optimizer, step: int, mesh: Mesh) -> None:
+    """Each rank writes its own stage's parameters and optimizer state, rank 0 the mesh
+    (mesh.json); one barrier, no data sent."""
     folder.mkdir(parents=True, exist_ok=True)
-    torch.save({"step": step, "model": stage.state_dict(), "optimizer": optimizer.state_dict()}, folder / f"rank{rank}.pt")
+    if mesh.rank == 0:
+        (folder / "mesh.json").write_text(json.dumps({"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp}))
+    torch.save({"step": step, "model": stage.state_dict(), "optimizer": optimizer.state_dict()},
+               folder / f"rank{mesh.rank}.pt")
     dist.barrier()
 
 
-def _load(folder: Path, stage, optimizer, rank: int) -> int:
-    path = folder / f"rank{rank}.pt"
-    if not path.exists():
-        raise FileNotFoundError(f"no checkpoint {path}: resume with the same --dp/--pp/--tp as the run that saved it")
-    state = torch.load(path, map_location=device())
+def _load(folder: Path, stage, optimizer, mesh: Mesh) -> int:
+    """This rank's stage and optimizer state from `folder`, after checking that it was saved
+    on the same mesh; returns the step to go on from."""
+    record = folder / "mesh.json"
+    if not record.exists():
+        raise FileNotFoundError(f"no checkpoint in {folder} ({record.name} is missing): --resume takes a folder "
+                                f"written by --save")
+    saved, asked = json.loads(record.read_text()), {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp}
+    if saved != asked:
+        raise ValueError("checkpoint {} was saved on the mesh dp={dp} x pp={pp} x tp={tp}".format(folder, **saved)
+                         + ", but this run asks for dp={dp} x pp={pp} x tp={tp}".format(**asked)
+                         + ": resume with --dp {dp} --pp {pp} --tp {tp}".format(**saved))
+    state = torch.load(folder / f"rank{mesh.rank}.pt", map_location=device())
     stage.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     return state["step"]

@@ -105,33 +105,57 @@ def one_process_losses():
     return losses
 
 
-def test_dp2_pp2_tp2_trainer_matches_one_process_for_five_steps(one_process_losses):
-    results = parakit.launch(run_trainer, SMALL + ["--dp", "2", "--pp", "2", "--tp", "2"], world_size=8, timeout=300)
+@pytest.fixture(scope="module")
+def mesh_losses():
+    """Every rank's losses over five steps at dp=2, pp=2, tp=2."""
+    return parakit.launch(run_trainer, SMALL + TWO_NODE_MESH, world_size=8, timeout=300)
+
+
+def steps(n: int) -> list[str]:
+    return ["--steps", str(n)] + SMALL[2:]
+
+
+@pytest.fixture(scope="module")
+def saved_after_three_steps(tmp_path_factory):
+    """A checkpoint of the dp=2, pp=2, tp=2 run after three of its five steps, and those losses."""
+    folder = tmp_path_factory.mktemp("resume") / "ckpt"
+    losses = parakit.launch(run_trainer, steps(3) + TWO_NODE_MESH + ["--save", str(folder)], world_size=8, timeout=300)
+    return folder, losses[0]
+
+
+def test_dp2_pp2_tp2_trainer_matches_one_process_for_five_steps(one_process_losses, mesh_losses):
     assert len(one_process_losses) == 5 and one_process_losses[-1] < one_process_losses[0]
-    for losses in results:  # every rank reports the same global loss
+    for losses in mesh_losses:  # every rank reports the same global loss
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(one_process_losses), rtol=1e-5, atol=1e-5)
 
 
-def test_resume_from_a_checkpoint_gives_the_same_next_losses(tmp_path):
-    mesh = ["--pp", "2", "--tp", "2"]  # tensor-parallel shards and pipeline stages, each rank its own file
-    straight = parakit.launch(run_trainer, SMALL + mesh, world_size=4, timeout=240)[0]
-    three = SMALL[:1] + ["3"] + SMALL[2:] + mesh
-    first = parakit.launch(run_trainer, three + ["--save", str(tmp_path / "ckpt")], world_size=4, timeout=240)[0]
-    two = SMALL[:1] + ["2"] + SMALL[2:] + mesh
-    resumed = parakit.launch(run_trainer, two + ["--resume", str(tmp_path / "ckpt")], world_size=4, timeout=240)[0]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"rank{r}.pt" for r in range(4)]
-    assert first + resumed == straight  # bit for bit: same data, weights and AdamW state
+def test_resume_at_dp2_pp2_tp2_gives_the_same_next_losses(mesh_losses, saved_after_three_steps):
+    folder, first = saved_after_three_steps
+    resumed = parakit.launch(run_trainer, steps(2) + TWO_NODE_MESH + ["--resume", str(folder)], world_size=8,
+                             timeout=300)[0]
+    assert sorted(p.name for p in folder.iterdir()) == ["mesh.json"] + [f"rank{r}.pt" for r in range(8)]
+    assert first + resumed == mesh_losses[0]  # bit for bit: same data, weights and AdamW state
 
 
-def bad_batch():
+def trainer_error(argv):
     try:
-        run_trainer(["--batch", "6", "--dp", "2", "--pp", "2", "--microbatches", "2"])
+        run_trainer(argv)
     except ValueError as error:
         return str(error)
 
 
+@pytest.mark.parametrize("world_size, mesh", [(8, (4, 1, 2)), (4, (1, 2, 2))])
+def test_resuming_on_another_mesh_is_refused_naming_both_meshes(saved_after_three_steps, world_size, mesh):
+    folder, _ = saved_after_three_steps
+    argv = steps(1) + ["--dp", str(mesh[0]), "--pp", str(mesh[1]), "--tp", str(mesh[2]), "--resume", str(folder)]
+    assert set(parakit.launch(trainer_error, argv, world_size=world_size)) == {
+        f"checkpoint {folder} was saved on the mesh dp=2 x pp=2 x tp=2, but this run asks for dp={mesh[0]} x "
+        f"pp={mesh[1]} x tp={mesh[2]}: resume with --dp 2 --pp 2 --tp 2"}
+
+
 def test_a_batch_that_does_not_split_across_replicas_and_microbatches_is_refused():
-    assert set(parakit.launch(bad_batch, world_size=4)) == {
+    argv = ["--batch", "6", "--dp", "2", "--pp", "2", "--microbatches", "2"]
+    assert set(parakit.launch(trainer_error, argv, world_size=4)) == {
         "batch 6 does not split into dp 2 x 2 micro-batches: pick a multiple of 4"}
 
 
