@@ -76,6 +76,14 @@ def test_conjugate_operators_forward_backward_and_their_collectives(t):
 
 # ---------------------------------------------------------------- linear layers, MLP, parameter bytes
 
+LINEAR_OPS = {  # (kind, gather_output or input_is_parallel): (forward, backward) collectives
+    ("column", False): ({}, {"all_reduce": 1}),  # f: dL/dx summed
+    ("column", True): ({"all_gather_single": 1}, {"all_reduce": 1}),  # and the output gathered
+    ("row", True): ({"all_reduce": 1}, {}),  # g: the output summed
+    ("row", False): ({"all_reduce": 1}, {"all_gather_single": 1}),  # and dL/dx of the kept chunk gathered
+}
+
+
 def _linears():
     import torch.distributed as dist
     t, r = dist.get_world_size(), dist.get_rank()
@@ -91,9 +99,10 @@ def _linears():
                 _close(layer.weight, dense.weight.chunk(t, dim)[r], f"{what}: initial weight")
                 x = _draw(5, 2, 3, 8).requires_grad_()
                 x_in = x.chunk(t, -1)[r] if kind == "row" and flag else x  # [2, 3, 8/t] when parallel
-                y = layer(x_in)
+                y, fwd = _counts(lambda: layer(x_in))
                 y_full = gather_from_region(y) if kind == "column" and not flag else y  # [2, 3, 12]
-                y_full.backward(_draw(6, 2, 3, 12))
+                _, bwd = _counts(lambda: y_full.backward(_draw(6, 2, 3, 12)))
+                assert (fwd, bwd) == (LINEAR_OPS[kind, flag] if t > 1 else ({}, {})), (what, fwd, bwd)
                 x_ref = x.detach().clone().requires_grad_()
                 dense(x_ref).backward(_draw(6, 2, 3, 12))
                 _close(y_full, dense(x_ref), f"{what}: output")
@@ -106,7 +115,7 @@ def _linears():
 
 
 @pytest.mark.parametrize("t", SIZES)
-def test_column_and_row_linear_equal_dense_linear_in_init_output_and_gradients(t):
+def test_column_and_row_linear_equal_dense_linear_and_send_exactly_their_collectives(t):
     parakit.launch(_linears, world_size=t)
 
 
