@@ -414,6 +414,8 @@ def _errors():
         "row full input": lambda: RowParallelLinear(8, 8, input_is_parallel=False)(torch.ones(2, 4)),
         "dropout": lambda: ParallelSelfAttention(16, 4, dropout=0.1),
         "target": lambda: vocab_parallel_cross_entropy(torch.ones(2, 4), torch.tensor([0, 16])),
+        "id too large": lambda: VocabParallelEmbedding(16, 4)(torch.tensor([[3, 15], [16, 2]])),
+        "negative id": lambda: VocabParallelEmbedding(16, 4)(torch.tensor([5, -1])),
     }
     messages = {}
     for name, attempt in attempts.items():
@@ -424,7 +426,7 @@ def _errors():
     return messages
 
 
-def test_bad_sizes_raise_errors_that_name_them():
+def test_bad_sizes_and_ids_raise_errors_that_name_them():
     messages = parakit.launch(_errors, world_size=4)[0]
     expected = {
         "column": "ColumnParallelLinear: out_features=10 is not divisible by the tensor-parallel size 4",
@@ -437,6 +439,8 @@ def test_bad_sizes_raise_errors_that_name_them():
         "row full input": "RowParallelLinear: the input's last dimension is 4 but this rank expects 8 (in_features,",
         "dropout": "needs rng=RNGTracker(seed, group)",
         "target": "target ids must lie in [0, 16) (vocab/t = 4 on each of 4 ranks); got 0..16",
+        "id too large": "VocabParallelEmbedding: id 16 is outside the vocabulary of 16: ids must lie in [0, 16)",
+        "negative id": "VocabParallelEmbedding: id -1 is outside the vocabulary of 16: ids must lie in [0, 16)",
     }
     assert set(messages) == set(expected)
     for name, text in expected.items():
