@@ -45,16 +45,18 @@ class Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, keep, preserve_rng_state, returned, anchor, *args):
         ctx.fn, ctx.keep, ctx.preserve_rng_state = fn, keep, preserve_rng_state
-        ctx.devices = sorted({a.device.index or 0 for a in args if torch.is_tensor(a) and a.is_cuda})
+        ctx.devices = _cuda_devices(args)
         ctx.cpu_state = torch.get_rng_state()
         ctx.cuda_states = [torch.cuda.get_rng_state(d) for d in ctx.devices]
-        with (_Record(keep) if keep else contextlib.nullcontext([])) as kept:
+        record = _Record(keep)
+        with record if keep else contextlib.nullcontext():
             result = fn(*args)
         outputs = _as_tuple(result)
         returned.append(torch.is_tensor(result))
         ctx.tensor_index = [i for i, a in enumerate(args) if torch.is_tensor(a)]
         ctx.others = [None if torch.is_tensor(a) else a for a in args]
-        ctx.save_for_backward(*[args[i] for i in ctx.tensor_index], *kept)
+        ctx.save_for_backward(*[args[i] for i in ctx.tensor_index], *record.outputs)
+        ctx.written = record.written
         return outputs
 
     @staticmethod
@@ -69,7 +71,7 @@ class Checkpoint(torch.autograd.Function):
                 torch.set_rng_state(ctx.cpu_state)
                 for device, state in zip(ctx.devices, ctx.cuda_states):
                     torch.cuda.set_rng_state(state, device)
-            with torch.enable_grad(), (_Replay(ctx.keep, kept) if kept else contextlib.nullcontext()):
+            with torch.enable_grad(), (_Replay(ctx.keep, kept, ctx.written) if kept else contextlib.nullcontext()):
                 outputs = _as_tuple(ctx.fn(*args))
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
         if pairs:
@@ -85,13 +87,23 @@ def checkpoint(fn: Callable, *args, keep: Iterable = (), preserve_rng_state: boo
     Gradients reach fn's parameters even when no input requires grad. The backward calls
     `torch.autograd.backward` on the recomputed outputs, so backpropagate with `.backward()`,
     not `torch.autograd.grad`, as with PyTorch's reentrant checkpoint. The RNG state (CPU, and
-    CUDA for the devices of the inputs) is restored for the recomputation so that dropout
-    draws the same mask; `preserve_rng_state=False` skips that.
+    CUDA for the devices of the inputs and, once CUDA is initialised, the current device) is
+    restored for the recomputation so that dropout draws the same mask;
+    `preserve_rng_state=False` skips that.
     """
     returned = []
     anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())  # makes the outputs require grad
     outputs = Checkpoint.apply(fn, tuple(keep), preserve_rng_state, returned, anchor, *args)
     return outputs[0] if returned[0] else outputs
+
+
+def _cuda_devices(args) -> list[int]:
+    """The CUDA devices whose RNG the recomputation replays: the inputs', and the current
+    device once CUDA is initialised (fn may draw there from CPU inputs)."""
+    devices = {a.get_device() for a in args if torch.is_tensor(a) and a.is_cuda}
+    if torch.cuda.is_initialized():
+        devices.add(torch.cuda.current_device())
+    return sorted(devices)
 
 
 def _as_tuple(result) -> tuple:
@@ -104,33 +116,46 @@ def _as_tuple(result) -> tuple:
 
 
 class _Record(TorchDispatchMode):
-    """Collect (detached) the outputs of the ops in `keep`, in call order."""
+    """Collect the outputs of the ops in `keep`, in call order. An op of fn that later writes
+    into a kept output (an in-place add, say) first swaps in a copy, so the record holds the
+    value the replay must hand back; `written` lists the indices of those."""
 
     def __init__(self, keep):
         super().__init__()
-        self.keep, self.outputs = keep, []
-
-    def __enter__(self):
-        super().__enter__()
-        return self.outputs
+        self.keep, self.outputs, self.written = keep, [], set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        targets = {_key(t) for t in _written(func, args, kwargs)}
+        for i, kept in enumerate(self.outputs):
+            if _key(kept) in targets:
+                self.outputs[i] = kept.clone()
+                self.written.add(i)
+        out = func(*args, **kwargs)
         if func in self.keep:
             self.outputs.append(out)
         return out
 
 
-class _Replay(TorchDispatchMode):
-    """Hand back the recorded outputs of the ops in `keep` instead of running them again."""
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an aten op writes into: the arguments its schema marks as written."""
+    schema = func._schema.arguments
+    values = [*args, *(kwargs.get(a.name) for a in schema[len(args):])]
+    return [v for a, v in zip(schema, values) if a.alias_info is not None and a.alias_info.is_write and torch.is_tensor(v)]
 
-    def __init__(self, keep, kept):
+
+class _Replay(TorchDispatchMode):
+    """Hand back the recorded outputs of the ops in `keep` instead of running them again (a
+    copy of those fn writes into, so that the record stays intact for another backward)."""
+
+    def __init__(self, keep, kept, written):
         super().__init__()
-        self.keep, self.kept = keep, kept
+        self.keep, self.kept, self.written, self.calls = keep, kept, written, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in self.keep:
-            return self.kept.pop(0)
+            n, self.calls = self.calls, self.calls + 1
+            return self.kept[n].clone() if n in self.written else self.kept[n]
         return func(*args, **(kwargs or {}))
 
 

@@ -25,11 +25,11 @@ import torch.distributed as dist
 from torch import nn
 
 from parakit.ddp import BucketedDDP
-from parakit.launcher import device
+from parakit.launcher import device, select_backend
 from parakit.mesh import Mesh
 from parakit.pipeline import dp_pp_step, split_stages
 
-__all__ = ["parse_args", "build_model", "train", "main"]
+__all__ = ["parse_args", "build_model", "train", "node_backend", "main"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="BucketedDDP's bucket size for the dp all-reduces")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
-    p.add_argument("--backend", default="auto", help="gloo, nccl, or auto: nccl when each rank has a GPU")
+    p.add_argument("--backend", default="auto", help="gloo, nccl, or auto: nccl when every rank on this node has a GPU")
     p.add_argument("--save", type=Path, help="folder for a checkpoint after the last step")
     p.add_argument("--resume", type=Path, help="folder of a checkpoint to start from")
     p.add_argument("--losses-to", type=Path, help="write the losses here as JSON (rank 0)")
@@ -171,7 +171,7 @@ def train(args) -> list[float]:
     balance = even_balance(len(model), args.pp)
     mine = nn.ModuleList(split_stages(model, balance)[mesh.pp_rank])
     optimizer = torch.optim.AdamW(mine.parameters(), lr=args.lr)
-    first = _load(args.resume, mine, optimizer, mesh.rank) if args.resume else 0
+    first = _load(args.resume, mine, optimizer, mesh) if args.resume else 0
     replica = BucketedDDP(mine, args.bucket_mb, process_group=mesh.dp_group)  # averages over the dp group
     losses = []
     for step in range(first, first + args.steps):
@@ -182,7 +182,7 @@ def train(args) -> list[float]:
         optimizer.step()
         losses.append(_global_loss(loss, mesh))
     if args.save:
-        _save(args.save, mine, optimizer, first + args.steps, mesh.rank)
+        _save(args.save, mine, optimizer, first + args.steps, mesh)
     return losses
 
 
@@ -194,29 +194,49 @@ def _global_loss(loss, mesh: Mesh) -> float:
     return total.item() / (mesh.dp * mesh.tp)
 
 
-def _save(folder: Path, stage, optimizer, step: int, rank: int) -> None:
-    """Each rank writes its own stage's parameters and optimizer state (no communication)."""
+def _save(folder: Path, stage, optimizer, step: int, mesh: Mesh) -> None:
+    """Each rank writes its own stage's parameters and optimizer state, rank 0 the mesh
+    (mesh.json); one barrier, no data sent."""
     folder.mkdir(parents=True, exist_ok=True)
-    torch.save({"step": step, "model": stage.state_dict(), "optimizer": optimizer.state_dict()}, folder / f"rank{rank}.pt")
+    if mesh.rank == 0:
+        (folder / "mesh.json").write_text(json.dumps({"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp}))
+    torch.save({"step": step, "model": stage.state_dict(), "optimizer": optimizer.state_dict()},
+               folder / f"rank{mesh.rank}.pt")
     dist.barrier()
 
 
-def _load(folder: Path, stage, optimizer, rank: int) -> int:
-    path = folder / f"rank{rank}.pt"
-    if not path.exists():
-        raise FileNotFoundError(f"no checkpoint {path}: resume with the same --dp/--pp/--tp as the run that saved it")
-    state = torch.load(path, map_location=device())
+def _load(folder: Path, stage, optimizer, mesh: Mesh) -> int:
+    """This rank's stage and optimizer state from `folder`, after checking that it was saved
+    on the same mesh; returns the step to go on from."""
+    record = folder / "mesh.json"
+    if not record.exists():
+        raise FileNotFoundError(f"no checkpoint in {folder} ({record.name} is missing): --resume takes a folder "
+                                f"written by --save")
+    saved, asked = json.loads(record.read_text()), {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp}
+    if saved != asked:
+        raise ValueError("checkpoint {} was saved on the mesh dp={dp} x pp={pp} x tp={tp}".format(folder, **saved)
+                         + ", but this run asks for dp={dp} x pp={pp} x tp={tp}".format(**asked)
+                         + ": resume with --dp {dp} --pp {pp} --tp {tp}".format(**saved))
+    state = torch.load(folder / f"rank{mesh.rank}.pt", map_location=device())
     stage.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     return state["step"]
 
 
+def node_backend(backend: str, local_world_size: int, gpus: int, nccl_built: bool) -> str:
+    """The launcher's rule on one node: NCCL needs a GPU for each of the node's ranks
+    (torchrun's LOCAL_WORLD_SIZE); "auto" falls back to gloo, "nccl" is refused."""
+    try:
+        return select_backend(backend, local_world_size, gpus, nccl_built)
+    except ValueError as error:
+        raise ValueError(f"on this node (LOCAL_WORLD_SIZE={local_world_size}): {error}") from None
+
+
 def main(argv=None) -> list[float]:
     """Entry point under torchrun (or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
     args = parse_args(argv)
-    backend = args.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = node_backend(args.backend, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), gpus, dist.is_nccl_available())
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend)

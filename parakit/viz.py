@@ -508,12 +508,18 @@ def cube_blocks(q: int = 2, *, swapped: bool = False):
     return fig
 
 
-def bytes_1d_vs_3d(ranks: Sequence[int], one_d: Sequence[float], three_d: Sequence[float], *, title: str, ax=None):
-    """Bytes per rank of 1D (Megatron) and 3D tensor parallelism against the number of ranks."""
+def bytes_1d_vs_3d(ranks: Sequence[int], one_d: Sequence[float], three_d: Sequence[float], *, title: str,
+                   measured: tuple[int, float, float] | None = None, ax=None):
+    """Bytes per rank of 1D (Megatron) and 3D tensor parallelism against the number of ranks
+    (formulas, lines); `measured` = (ranks, 1D bytes, 3D bytes) adds what the meter counted."""
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.2))
     ax.plot(ranks, one_d, "o-", color="#e76f51", label="1D: 2 all-reduces of the activations")
-    ax.plot(ranks, three_d, "s-", color="#264653", label="3D: 6 collectives, (q-1)/q^3 each")
+    ax.plot(ranks, three_d, "s-", color="#264653", label="3D: 6 collectives per layer, (q-1)/q^3 each")
+    if measured is not None:
+        p, got_1d, got_3d = measured
+        ax.plot([p, p], [got_1d, got_3d], "o", markersize=13, markerfacecolor="none", color="#2a9d8f",
+                label=f"measured on {p} ranks")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("ranks P")

@@ -56,6 +56,19 @@ def live_children(ppid: int) -> set[int]:
     return children
 
 
+def processes_with(marker: str) -> list[int]:
+    """The live processes whose environment holds the entry `marker` ("NAME=value"): every
+    process a run starts inherits it, even those that left its session."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and marker.encode() in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                found.append(int(entry))
+        except OSError:  # gone, or not ours
+            pass
+    return [pid for pid in found if pid_alive(pid)]
+
+
 def write_script(tmp_path: Path, source: str, name: str = "script.py") -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(source))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO
+from conftest import REPO, processes_with
 
 import parakit
 from parakit.mesh import Mesh, mesh_coords, mesh_groups, mesh_rank
@@ -104,34 +105,83 @@ def one_process_losses():
     return losses
 
 
-def test_dp2_pp2_tp2_trainer_matches_one_process_for_five_steps(one_process_losses):
-    results = parakit.launch(run_trainer, SMALL + ["--dp", "2", "--pp", "2", "--tp", "2"], world_size=8, timeout=300)
+@pytest.fixture(scope="module")
+def mesh_losses():
+    """Every rank's losses over five steps at dp=2, pp=2, tp=2."""
+    return parakit.launch(run_trainer, SMALL + TWO_NODE_MESH, world_size=8, timeout=300)
+
+
+def steps(n: int) -> list[str]:
+    return ["--steps", str(n)] + SMALL[2:]
+
+
+@pytest.fixture(scope="module")
+def saved_after_three_steps(tmp_path_factory):
+    """A checkpoint of the dp=2, pp=2, tp=2 run after three of its five steps, and those losses."""
+    folder = tmp_path_factory.mktemp("resume") / "ckpt"
+    losses = parakit.launch(run_trainer, steps(3) + TWO_NODE_MESH + ["--save", str(folder)], world_size=8, timeout=300)
+    return folder, losses[0]
+
+
+def test_dp2_pp2_tp2_trainer_matches_one_process_for_five_steps(one_process_losses, mesh_losses):
     assert len(one_process_losses) == 5 and one_process_losses[-1] < one_process_losses[0]
-    for losses in results:  # every rank reports the same global loss
+    for losses in mesh_losses:  # every rank reports the same global loss
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(one_process_losses), rtol=1e-5, atol=1e-5)
 
 
-def test_resume_from_a_checkpoint_gives_the_same_next_losses(tmp_path):
-    mesh = ["--pp", "2", "--tp", "2"]  # tensor-parallel shards and pipeline stages, each rank its own file
-    straight = parakit.launch(run_trainer, SMALL + mesh, world_size=4, timeout=240)[0]
-    three = SMALL[:1] + ["3"] + SMALL[2:] + mesh
-    first = parakit.launch(run_trainer, three + ["--save", str(tmp_path / "ckpt")], world_size=4, timeout=240)[0]
-    two = SMALL[:1] + ["2"] + SMALL[2:] + mesh
-    resumed = parakit.launch(run_trainer, two + ["--resume", str(tmp_path / "ckpt")], world_size=4, timeout=240)[0]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"rank{r}.pt" for r in range(4)]
-    assert first + resumed == straight  # bit for bit: same data, weights and AdamW state
+def test_resume_at_dp2_pp2_tp2_gives_the_same_next_losses(mesh_losses, saved_after_three_steps):
+    folder, first = saved_after_three_steps
+    resumed = parakit.launch(run_trainer, steps(2) + TWO_NODE_MESH + ["--resume", str(folder)], world_size=8,
+                             timeout=300)[0]
+    assert sorted(p.name for p in folder.iterdir()) == ["mesh.json"] + [f"rank{r}.pt" for r in range(8)]
+    assert first + resumed == mesh_losses[0]  # bit for bit: same data, weights and AdamW state
 
 
-def bad_batch():
+def trainer_error(argv):
     try:
-        run_trainer(["--batch", "6", "--dp", "2", "--pp", "2", "--microbatches", "2"])
+        run_trainer(argv)
     except ValueError as error:
         return str(error)
 
 
+@pytest.mark.parametrize("world_size, mesh", [(8, (4, 1, 2)), (4, (1, 2, 2))])
+def test_resuming_on_another_mesh_is_refused_naming_both_meshes(saved_after_three_steps, world_size, mesh):
+    folder, _ = saved_after_three_steps
+    argv = steps(1) + ["--dp", str(mesh[0]), "--pp", str(mesh[1]), "--tp", str(mesh[2]), "--resume", str(folder)]
+    assert set(parakit.launch(trainer_error, argv, world_size=world_size)) == {
+        f"checkpoint {folder} was saved on the mesh dp=2 x pp=2 x tp=2, but this run asks for dp={mesh[0]} x "
+        f"pp={mesh[1]} x tp={mesh[2]}: resume with --dp 2 --pp 2 --tp 2"}
+
+
 def test_a_batch_that_does_not_split_across_replicas_and_microbatches_is_refused():
-    assert set(parakit.launch(bad_batch, world_size=4)) == {
+    argv = ["--batch", "6", "--dp", "2", "--pp", "2", "--microbatches", "2"]
+    assert set(parakit.launch(trainer_error, argv, world_size=4)) == {
         "batch 6 does not split into dp 2 x 2 micro-batches: pick a multiple of 4"}
+
+
+@pytest.mark.parametrize("backend, local_world_size, gpus, nccl_built, chosen", [
+    ("auto", 4, 4, True, "nccl"), ("auto", 4, 2, True, "gloo"), ("auto", 4, 4, False, "gloo"),
+    ("gloo", 4, 8, True, "gloo"), ("nccl", 4, 4, True, "nccl")])
+def test_trainer_picks_nccl_only_with_a_gpu_for_every_rank_on_its_node(backend, local_world_size, gpus, nccl_built,
+                                                                        chosen):
+    from parakit.train import node_backend
+    assert node_backend(backend, local_world_size, gpus, nccl_built) == chosen
+
+
+def test_trainer_refuses_nccl_with_fewer_gpus_than_ranks_on_its_node():
+    from parakit.train import node_backend
+    with pytest.raises(ValueError, match=r"^on this node \(LOCAL_WORLD_SIZE=4\): backend 'nccl' needs one GPU per rank: "
+                                         r"world_size=4 but 2 GPU\(s\) are visible; use backend='gloo'"):
+        node_backend("nccl", 4, 2, True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
+def test_trainer_cli_refuses_nccl_without_gpus_before_joining_the_world(monkeypatch):
+    from parakit.train import main
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"^on this node \(LOCAL_WORLD_SIZE=2\): backend 'nccl' needs one GPU per rank"):
+        main(["--backend", "nccl"])
+    assert not dist.is_initialized()
 
 
 # ---------------------------------------------------------------- two torchrun "nodes" on this machine's loopback
@@ -142,15 +192,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_run(nodes, marker: str) -> list[int]:
+    """Stop each torchrun agent's process group (SIGTERM: the agent stops its workers; SIGKILL
+    if it has not within 30 s), reap them, and return the pids of the run still alive."""
+    for node in nodes:
+        for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(node.pid, sig)
+            except ProcessLookupError:  # the group is empty: the agent and all it left there are gone
+                break
+            try:
+                node.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    return processes_with(marker)
+
+
 def test_two_torchrun_nodes_of_four_processes_give_the_same_losses(tmp_path, one_process_losses):
     port = free_port()
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "parakit-test",
                "-m", "parakit.train", *TWO_NODE_MESH, *SMALL, "--backend", "gloo"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    run_id = f"{os.getpid()}-{port}"  # in the environment of the agents and of their workers
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PARAKIT_TORCHRUN_TEST": run_id}
     logs = [open(tmp_path / f"node{n}.txt", "w+") for n in range(2)]  # files, not pipes: nothing blocks on a full pipe
     nodes = [subprocess.Popen(command + (["--losses-to", str(tmp_path / "losses.json")] if n == 0 else []),
-                              cwd=tmp_path, env=env, stdout=logs[n], stderr=subprocess.STDOUT) for n in range(2)]
+                              cwd=tmp_path, env=env, stdout=logs[n], stderr=subprocess.STDOUT, start_new_session=True)
+             for n in range(2)]
     deadline = time.monotonic() + 300
     try:  # a node that fails leaves the other waiting in the rendezvous: stop at the first failure
         while any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
@@ -158,9 +227,13 @@ def test_two_torchrun_nodes_of_four_processes_give_the_same_losses(tmp_path, one
                 break
             time.sleep(0.5)
     finally:
-        for node in nodes:
-            node.kill()
+        left = stop_run(nodes, f"PARAKIT_TORCHRUN_TEST={run_id}")
+        for pid in left:  # the workers torchrun starts in sessions of their own
+            os.kill(pid, signal.SIGKILL)
+        for log in logs:
+            log.close()
     outputs = [(tmp_path / f"node{n}.txt").read_text() for n in range(2)]
+    assert left == [], f"processes {left} of the torchrun run outlived it"
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)
     logged = [p for p in tmp_path.glob("losses.json")]
     printed = [line for out in outputs for line in out.splitlines() if " loss " in line]

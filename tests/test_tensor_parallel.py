@@ -76,6 +76,14 @@ def test_conjugate_operators_forward_backward_and_their_collectives(t):
 
 # ---------------------------------------------------------------- linear layers, MLP, parameter bytes
 
+LINEAR_OPS = {  # (kind, gather_output or input_is_parallel): (forward, backward) collectives
+    ("column", False): ({}, {"all_reduce": 1}),  # f: dL/dx summed
+    ("column", True): ({"all_gather_single": 1}, {"all_reduce": 1}),  # and the output gathered
+    ("row", True): ({"all_reduce": 1}, {}),  # g: the output summed
+    ("row", False): ({"all_reduce": 1}, {"all_gather_single": 1}),  # and dL/dx of the kept chunk gathered
+}
+
+
 def _linears():
     import torch.distributed as dist
     t, r = dist.get_world_size(), dist.get_rank()
@@ -91,9 +99,10 @@ def _linears():
                 _close(layer.weight, dense.weight.chunk(t, dim)[r], f"{what}: initial weight")
                 x = _draw(5, 2, 3, 8).requires_grad_()
                 x_in = x.chunk(t, -1)[r] if kind == "row" and flag else x  # [2, 3, 8/t] when parallel
-                y = layer(x_in)
+                y, fwd = _counts(lambda: layer(x_in))
                 y_full = gather_from_region(y) if kind == "column" and not flag else y  # [2, 3, 12]
-                y_full.backward(_draw(6, 2, 3, 12))
+                _, bwd = _counts(lambda: y_full.backward(_draw(6, 2, 3, 12)))
+                assert (fwd, bwd) == (LINEAR_OPS[kind, flag] if t > 1 else ({}, {})), (what, fwd, bwd)
                 x_ref = x.detach().clone().requires_grad_()
                 dense(x_ref).backward(_draw(6, 2, 3, 12))
                 _close(y_full, dense(x_ref), f"{what}: output")
@@ -106,7 +115,7 @@ def _linears():
 
 
 @pytest.mark.parametrize("t", SIZES)
-def test_column_and_row_linear_equal_dense_linear_in_init_output_and_gradients(t):
+def test_column_and_row_linear_equal_dense_linear_and_send_exactly_their_collectives(t):
     parakit.launch(_linears, world_size=t)
 
 
@@ -405,6 +414,8 @@ def _errors():
         "row full input": lambda: RowParallelLinear(8, 8, input_is_parallel=False)(torch.ones(2, 4)),
         "dropout": lambda: ParallelSelfAttention(16, 4, dropout=0.1),
         "target": lambda: vocab_parallel_cross_entropy(torch.ones(2, 4), torch.tensor([0, 16])),
+        "id too large": lambda: VocabParallelEmbedding(16, 4)(torch.tensor([[3, 15], [16, 2]])),
+        "negative id": lambda: VocabParallelEmbedding(16, 4)(torch.tensor([5, -1])),
     }
     messages = {}
     for name, attempt in attempts.items():
@@ -415,7 +426,7 @@ def _errors():
     return messages
 
 
-def test_bad_sizes_raise_errors_that_name_them():
+def test_bad_sizes_and_ids_raise_errors_that_name_them():
     messages = parakit.launch(_errors, world_size=4)[0]
     expected = {
         "column": "ColumnParallelLinear: out_features=10 is not divisible by the tensor-parallel size 4",
@@ -428,6 +439,8 @@ def test_bad_sizes_raise_errors_that_name_them():
         "row full input": "RowParallelLinear: the input's last dimension is 4 but this rank expects 8 (in_features,",
         "dropout": "needs rng=RNGTracker(seed, group)",
         "target": "target ids must lie in [0, 16) (vocab/t = 4 on each of 4 ranks); got 0..16",
+        "id too large": "VocabParallelEmbedding: id 16 is outside the vocabulary of 16: ids must lie in [0, 16)",
+        "negative id": "VocabParallelEmbedding: id -1 is outside the vocabulary of 16: ids must lie in [0, 16)",
     }
     assert set(messages) == set(expected)
     for name, text in expected.items():

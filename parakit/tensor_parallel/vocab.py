@@ -22,7 +22,8 @@ __all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
 class VocabParallelEmbedding(nn.Module):
     """nn.Embedding with its rows split across the group: weight [vocab/t, dim] (the dense
     layer's rows, made once from the same seed and sliced). [...] ids -> [..., dim]; one
-    all-reduce of the output forward, nothing backward."""
+    all-reduce of the output forward, nothing backward. An id outside [0, vocab) raises, as
+    in nn.Embedding."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group=None):
         super().__init__()
@@ -33,6 +34,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(nn.Embedding(num_embeddings, embedding_dim).weight.detach().chunk(t, 0)[rank].clone())
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        wrong = (ids < 0) | (ids >= self.num_embeddings)
+        if wrong.any():  # another rank would not own it either: every rank would write zeros
+            raise ValueError(f"VocabParallelEmbedding: id {int(ids[wrong][0])} is outside the vocabulary of "
+                             f"{self.num_embeddings}: ids must lie in [0, {self.num_embeddings})")
         outside = (ids < self.start) | (ids >= self.start + self.weight.shape[0])  # ids another rank owns
         local = torch.where(outside, 0, ids - self.start)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # [..., dim]

@@ -61,14 +61,23 @@ NO_MAX = '''def vocab_parallel_cross_entropy(logits, target):
     return (sums[1].log() - sums[0]).mean()
 '''
 
+LOSS_PARALLEL = '''def vocab_parallel_cross_entropy(logits, target):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+    with loss_parallel():  # torch's vocab-parallel loss: right values, and the backward too
+        mesh = init_device_mesh(logits.device.type, (dist.get_world_size(),))
+        mine, every = DTensor.from_local(logits, mesh, [Shard(1)]), DTensor.from_local(target, mesh, [Replicate()])
+        return F.nll_loss(F.log_softmax(mine, -1), every).full_tensor()
+'''
+
 BORROWED = {
     "f_and_g": "import torch.distributed.nn.functional as dist_nn\n\ndef f(x):\n    return tp.copy_to_region(x)\n\n\n"
                "def g(x):\n    return dist_nn.all_reduce(x)\n",
     "column_parallel_linear": "class ColumnParallelLinear(tp.ColumnParallelLinear):\n    pass\n",
     "row_parallel_linear": "class RowParallelLinear(tp.RowParallelLinear):\n    pass\n",
     "parallel_mlp": "class ParallelMLP(tp.ParallelMLP):\n    pass\n",
-    "vocab_parallel_cross_entropy": "def vocab_parallel_cross_entropy(logits, target):\n"
-                                    "    return F.cross_entropy(tp.gather_from_region(logits), target)\n",
+    "vocab_parallel_cross_entropy": LOSS_PARALLEL,
 }
 
 
@@ -77,7 +86,7 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     is shared with another branch), makes layers that never check divisibility, and drops
     the max from the loss (overflows on large logits): each fails its hidden tests. The
     borrower uses parakit's f, torch's differentiable all-reduce, parakit's layers and MLP,
-    and F.cross_entropy on gathered logits: 0 on every exercise. The kernel hangs in the MLP
+    and torch's loss_parallel: 0 on every exercise. The kernel hangs in the MLP
     and dies in the loss."""
     hardcoded = {
         "f_and_g": F_AND_G_IN_PLACE,
