@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,13 @@ class _Runner:
         self.sends, self.loss, self.peak = [], None, 0
         self.replica = replica  # a parakit.ddp wrapper of this rank's stages, or None
         self.last_backward = {a.stage: a.microbatch for a in schedule.actions[self.rank] if a.op == "B"}
+        self.to_post: dict[int, deque] = {}  # peer -> this rank's RECV actions from it, in order, not yet posted
+        for a in schedule.actions[self.rank]:
+            if a.op.startswith("RECV"):
+                self.to_post.setdefault(a.peer, deque()).append(a)
+        self.posted: dict[Action, tuple] = {}  # RECV action -> (buffer, work) of its irecv
+        for peer in self.to_post:
+            self._post_next(peer)
 
     def F(self, a: Action) -> None:
         last = a.stage == self.schedule.num_stages - 1
@@ -111,11 +119,21 @@ class _Runner:
         self.sends.append((dist.isend(tensor, group=self.group, group_dst=a.peer), tensor))
 
     def RECV(self, a: Action) -> None:
-        """recv one activation (F) or gradient (B) of one micro-batch from rank a.peer of the group."""
-        shape, dtype = self.shapes[a.stage if a.op == "RECV_F" else a.stage + 1]
-        buffer = torch.empty(shape, dtype=dtype, device=device())
-        dist.recv(buffer, group=self.group, group_src=a.peer)
+        """Wait for one activation (F) or gradient (B) of one micro-batch from rank a.peer of
+        the group, received by the irecv posted for it, and post the next one from that peer."""
+        buffer, work = self.posted.pop(a)
+        work.wait()
+        self._post_next(a.peer)
         self.inbox[(a.op[5:], a.stage, a.microbatch)] = buffer.requires_grad_() if a.op == "RECV_F" else buffer
+
+    def _post_next(self, peer: int) -> None:
+        """irecv, into a fresh buffer, the next message this rank's actions take from `peer`:
+        one receive in flight per peer, so that it arrives while this rank computes."""
+        if self.to_post[peer]:
+            a = self.to_post[peer].popleft()
+            shape, dtype = self.shapes[a.stage if a.op == "RECV_F" else a.stage + 1]
+            buffer = torch.empty(shape, dtype=dtype, device=device())
+            self.posted[a] = (buffer, dist.irecv(buffer, group=self.group, group_src=a.peer))
 
 
 def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], microbatches, targets, loss_fn,
