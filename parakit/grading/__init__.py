@@ -13,6 +13,9 @@ and say why. A tripwire catches the call however the function was reached (`dist
 comm meter: on each rank the same collectives (by kind) and point-to-point calls only with
 the peers the reference talks to, and the same bytes sent by all ranks together. A ring
 all-reduce then has to be a ring, not a gather to rank 0 written with send and recv.
+
+In a sealed grade (`parakit.grading.judge`) the same calls run nothing in the judge's
+process: each side runs on fresh ranks of its own and only plain data comes back.
 """
 from __future__ import annotations
 
@@ -29,11 +32,12 @@ import torch
 
 from parakit import comm, launcher
 
-__all__ = ["check", "check_local", "InputContext", "Traffic", "Tripwire"]
+from parakit.grading.jail import Tripwire
 
+__all__ = ["check", "check_local", "InputContext", "Traffic", "Tripwire", "compare_values", "compare_traffic",
+           "kind_of", "SEALED"]
 
-class Tripwire(AssertionError):
-    """The student's code called something the exercise forbids."""
+SEALED: list = []  # while the sealed judge runs a test cell: its `Sealed`, which runs the checks instead
 
 
 def check(student: Callable, reference: Callable, make_inputs: Callable, *, world_sizes: Iterable[int] = (2, 4),
@@ -49,6 +53,9 @@ def check(student: Callable, reference: Callable, make_inputs: Callable, *, worl
     match too (see the module's docstring). Raises AssertionError (or Tripwire) naming the
     world size, trial and rank that differ.
     """
+    if SEALED:
+        return SEALED[0].check(student, reference, make_inputs, world_sizes=world_sizes, trials=trials,
+                               forbid=forbid, timeout=timeout, rtol=rtol, atol=atol, same_traffic=same_traffic)
     name = getattr(student, "__name__", "your function")
     world_sizes = list(world_sizes)
     for world_size in world_sizes:
@@ -62,10 +69,10 @@ def check(student: Callable, reference: Callable, make_inputs: Callable, *, worl
             for rank, (got, expected, _) in enumerate(runs):
                 if isinstance(got, Tripwire):
                     raise Tripwire(f"rank {rank}: {got}")
-                _compare(got, expected, f"{name} on {world_size} ranks, rank {rank}, trial {trial + 1} "
+                compare_values(got, expected, f"{name} on {world_size} ranks, rank {rank}, trial {trial + 1} "
                                         f"(seed {seed})", rtol, atol)
             if same_traffic:
-                _compare_traffic([traffic for _, _, traffic in runs],
+                compare_traffic([traffic for _, _, traffic in runs],
                                  f"{name} on {world_size} ranks, trial {trial + 1} (seed {seed})")
     if not quiet:
         print(f"passed: {name} matches the reference on {', '.join(map(str, world_sizes))} ranks "
@@ -76,12 +83,14 @@ def check_local(student: Callable, reference: Callable, cases: Iterable[tuple], 
                 forbid: dict[Callable, str] | None = None, rtol: float | None = None,
                 atol: float | None = None, quiet: bool = False) -> None:
     """Compare `student(*case)` with `reference(*case)` in this process for every case."""
+    if SEALED:
+        return SEALED[0].check_local(student, reference, cases, forbid=forbid, rtol=rtol, atol=atol)
     name = getattr(student, "__name__", "your function")
     cases = list(cases)
     for case in cases:
         expected = reference(*copy.deepcopy(case))
         got = _call_guarded(student, copy.deepcopy(case), forbid or {})
-        _compare(got, expected, f"{name}{tuple(case)!r}", rtol, atol)
+        compare_values(got, expected, f"{name}{tuple(case)!r}", rtol, atol)
     if not quiet:
         print(f"passed: {name} matches the reference on {len(cases)} case{'s' if len(cases) > 1 else ''}")
 
@@ -135,14 +144,19 @@ class Traffic:
 
     @classmethod
     def of(cls, log: "comm.CommLog") -> "Traffic":
-        kinds = [_kind(r.op) for r in log.records]
+        return cls.of_calls(log.records)
+
+    @classmethod
+    def of_calls(cls, calls) -> "Traffic":
+        """From a CommLog's records or the judge's relay `Call`s (both have op, peer and wire_bytes)."""
+        kinds = [kind_of(c.op) for c in calls]
         return cls(Counter(k for k in kinds if k not in ("send", "recv")),
-                   frozenset(r.peer for r, k in zip(log.records, kinds) if k == "send"),
-                   frozenset(r.peer for r, k in zip(log.records, kinds) if k == "recv"),
-                   log.wire_bytes())
+                   frozenset(c.peer for c, k in zip(calls, kinds) if k == "send"),
+                   frozenset(c.peer for c, k in zip(calls, kinds) if k == "recv"),
+                   sum(c.wire_bytes for c in calls))
 
 
-def _kind(op: str) -> str:
+def kind_of(op: str) -> str:
     """send/isend -> send, all_gather_into_tensor -> all_gather, _reduce_scatter_base -> reduce_scatter, ..."""
     op = op.lstrip("_")
     if op in ("isend", "irecv"):
@@ -153,7 +167,7 @@ def _kind(op: str) -> str:
     return op
 
 
-def _compare_traffic(traffic: list[tuple[Traffic, Traffic]], where: str) -> None:
+def compare_traffic(traffic: list[tuple[Traffic, Traffic]], where: str) -> None:
     """Same collectives on each rank, point-to-point only with the reference's peers, and the
     same bytes sent by all ranks together (how the bytes split over ranks may differ)."""
     for rank, (mine, theirs) in enumerate(traffic):
@@ -203,7 +217,7 @@ def _trip_message(fn, forbidden, why) -> str:
     return f"{getattr(fn, '__name__', 'your function')} called {where}, which this exercise forbids: {why}"
 
 
-def _compare(got, expected, what: str, rtol, atol) -> None:
+def compare_values(got, expected, what: str, rtol, atol) -> None:
     if type(got) is not type(expected):
         raise AssertionError(f"{what}: returned a {type(got).__name__}, expected a {type(expected).__name__}")
     try:

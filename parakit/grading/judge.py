@@ -1,0 +1,518 @@
+"""The sealed judge: a notebook's tests decided by a process that runs none of its student's code.
+
+The judge reads the student's answer cells as text only. It runs the instructor's cells
+that define what the tests use (imports, functions, classes, the assignments they need;
+no demo), with each name an answer cell defines bound to a `StudentName`, then runs every
+test cell (hidden tests included, always the instructor's version). There `grading.check`
+and `check_local` do not call anything: each run of the student's function happens on
+fresh ranks forked by a zygote (`sandbox`), which run the instructor's setup and the
+student's cells, with the exercise's forbidden functions withheld and the process locked
+(`jail`); the reference runs the same way on other fresh ranks with no student code. Both
+talk only through the judge's broker (`relay`), which records every call they make, and
+send back plain data (`codec`). Values, traffic, forbidden calls: all compared here.
+
+    judge = Judge(solution_nb, config); verdicts = judge.grade(submission_nb)
+"""
+from __future__ import annotations
+
+import ast
+import builtins
+import contextlib
+import difflib
+import hashlib
+import os
+import random
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import cloudpickle
+import torch
+
+from parakit import comm
+from parakit.grading import codec, sandbox
+from parakit.grading.jail import Tripwire
+from parakit.grading.relay import Broker, Call
+
+__all__ = ["Judge", "JudgeConfig", "Verdict", "StudentName"]
+
+
+# ---------------------------------------------------------------------------- the notebook
+
+def python_source(source: str) -> str:
+    """A cell's source as plain Python (IPython's magics and shell lines made calls)."""
+    from IPython.core.inputtransformer2 import TransformerManager
+    return TransformerManager().transform_cell(source)
+
+
+def meta(cell) -> dict:
+    return cell.get("metadata", {}).get("nbgrader", {})
+
+
+def defined_names(tree: ast.AST) -> set[str]:
+    """Names a module's top-level statements bind."""
+    names = set()
+    for stmt in getattr(tree, "body", []):
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(stmt.name)
+        elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in stmt.names)
+        elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.With, ast.For)):
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [getattr(stmt, "target", None)]
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name)) if target else None
+    return names
+
+
+def used_names(tree: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def parse(source: str) -> ast.Module:
+    try:
+        return ast.parse(python_source(source))
+    except SyntaxError:
+        return ast.Module(body=[], type_ignores=[])
+
+
+def setup_statements(cells, needed: set[str]) -> list[tuple[int, str]]:
+    """(cell index, source) of the instructor's statements the tests and answers need:
+    imports, functions and classes, and the assignments of names they use, transitively.
+    Expressions (demos, plots, launches) are left out."""
+    chosen: dict[tuple[int, int], ast.stmt] = {}
+    statements = [(i, j, s) for i, tree in cells for j, s in enumerate(tree.body)]
+    for i, j, stmt in statements:
+        if isinstance(stmt, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+            chosen[(i, j)] = stmt
+    wanted = set(needed).union(*(used_names(s) for s in chosen.values()))
+    grew = True
+    while grew:
+        grew = False
+        for i, j, stmt in statements:
+            if (i, j) not in chosen and isinstance(stmt, (ast.Assign, ast.AnnAssign)) \
+                    and defined_names(ast.Module(body=[stmt], type_ignores=[])) & wanted:
+                chosen[(i, j)] = stmt
+                wanted |= used_names(stmt)
+                grew = True
+    return [(i, ast.unparse(chosen[(i, j)])) for i, j, _ in statements if (i, j) in chosen]
+
+
+class StudentName:
+    """Stands in the judge for what a student's answer cell defines. It cannot be called
+    here; pickled into a student's rank, it becomes the student's object of that name."""
+
+    def __init__(self, path: tuple[str, ...]):
+        object.__setattr__(self, "_path", path)
+        object.__setattr__(self, "__name__", path[-1])
+        object.__setattr__(self, "__qualname__", ".".join(path))
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return StudentName(self._path + (attr,))
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{'.'.join(self._path)} is the student's code: the sealed judge never runs it "
+                           f"(pass it to grading.check or check_local)")
+
+    def __reduce__(self):
+        return sandbox.student_object, (self._path,)
+
+    def __repr__(self):
+        return f"<student's {'.'.join(self._path)}>"
+
+
+# ---------------------------------------------------------------------------- runs
+
+@dataclass
+class JudgeConfig:
+    """How the judge runs: per-cell timeout, the course's folders a student's rank may not
+    read, where scratch folders go, and the salt that makes inputs unguessable."""
+
+    cell_timeout: float = 300.0
+    hidden: list[str] = field(default_factory=list)
+    scratch: str | None = None
+    salt: str = "parakit"
+
+
+@dataclass
+class Run:
+    """What came back from one run on fresh ranks."""
+
+    values: list[dict | None]       # per rank: {"value": ...} or {"error": text, "tripwire": bool}, or None
+    calls: list[list[Call]]
+    notes: list[list[str]]
+    failure: str | None = None
+
+
+class Runner:
+    """Runs jobs on fresh ranks of one zygote, each job with its own broker."""
+
+    def __init__(self, config: JudgeConfig):
+        self.config, self.zygote = config, sandbox.Zygote()
+
+    def close(self):
+        self.zygote.close()
+
+    def run(self, job: sandbox.Job, world_size: int, timeout: float,
+            progress: list | None = None) -> Run:
+        """`job` on `world_size` new ranks; at most `timeout` s (with `progress`, a list of
+        the notes seen so far, the timeout counts from the last note)."""
+        folder = tempfile.mkdtemp(prefix="sealed-", dir=self.config.scratch)
+        try:
+            tokens = [secrets.token_hex(16) for _ in range(world_size)]
+            broker = Broker(os.path.join(folder, "broker"), tokens)
+            pids = []
+            for rank in range(world_size):
+                scratch = os.path.join(folder, f"rank{rank}")
+                os.mkdir(scratch)
+                pids.append(self.zygote.fork({"rank": rank, "world_size": world_size, "path": broker.server.getsockname(),
+                                              "token": tokens[rank], "scratch": scratch, "job": job}))
+            clock = _Clock(timeout, broker, progress)
+            broker.serve(lambda: len(broker.results) == world_size or clock.expired(), _IdleWatch(pids))
+            self.zygote.sweep()
+            broker.close()
+            values = [_decode(broker.results.get(r)) for r in range(world_size)]
+            failure = broker.failure
+            if failure is None and clock.expired() and None in values:
+                failure = f"did not finish within {timeout:g} s"
+            for rank, value in enumerate(values):
+                if value is None and failure is None:
+                    failure = f"rank {rank} ended without a result: its process died{_tail(folder, rank)}"
+            return Run(values, broker.calls, [broker.notes.get(r, []) for r in range(world_size)], failure)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+class _Clock:
+    def __init__(self, timeout, broker, progress):
+        self.timeout, self.broker, self.progress = timeout, broker, progress
+        self.start, self.seen = time.monotonic(), 0
+
+    def expired(self) -> bool:
+        if self.progress is not None:
+            notes = self.broker.notes.get(0, [])
+            if len(notes) != self.seen:
+                self.seen, self.start = len(notes), time.monotonic()
+                self.progress[:] = list(notes)
+        return time.monotonic() - self.start > self.timeout
+
+
+class _IdleWatch:
+    """Which ranks used no CPU since the last look (read from /proc by the judge)."""
+
+    def __init__(self, pids):
+        self.pids, self.last = pids, {}
+
+    def __call__(self) -> set[int]:
+        idle = set()
+        for rank, pid in enumerate(self.pids):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                ticks = int(fields[11]) + int(fields[12])
+            except (OSError, IndexError, ValueError):
+                idle.add(rank)
+                continue
+            if self.last.get(rank) == ticks:
+                idle.add(rank)
+            self.last[rank] = ticks
+        return idle
+
+
+def _decode(frame):
+    """A rank's result frame as plain data (None: no frame)."""
+    if frame is None:
+        return None
+    try:
+        return codec.decode(*frame)
+    except codec.CodecError as error:
+        return {"error": f"its result could not be read as plain data ({error})", "tripwire": False}
+
+
+def _outcome(value) -> dict:
+    """{"value": ...} or {"error": text, "tripwire": bool}, whatever a rank sent."""
+    if isinstance(value, dict) and set(value) == {"value"}:
+        return value
+    if isinstance(value, dict) and set(value) == {"error", "tripwire"} and isinstance(value["error"], str):
+        return {"error": value["error"], "tripwire": value["tripwire"] is True}
+    return {"error": "it sent back something the grader did not make", "tripwire": False}
+
+
+def _tail(folder: str, rank: int) -> str:
+    try:
+        with open(os.path.join(folder, f"rank{rank}", f"rank{rank}.log"), errors="replace") as f:
+            lines = [l.rstrip() for l in f.read()[-3000:].splitlines() if l.strip()]
+    except OSError:
+        return ""
+    return (": " + " | ".join(lines[-4:]))[:600] if lines else " (os._exit, a crash or out of memory)"
+
+
+# ---------------------------------------------------------------------------- the checks
+
+@dataclass
+class Verdict:
+    """One test cell's outcome."""
+
+    grade_id: str
+    points: float
+    max_points: float
+    message: str = ""
+
+
+class Sealed:
+    """`grading.check` and `check_local` as the judge runs them, for one submission."""
+
+    def __init__(self, reference: Runner, student: Runner, cells: list[tuple[str, str, bool]],
+                 hidden: list[str], cache: dict):
+        self.reference, self.student, self.cells, self.hidden = reference, student, cells, hidden
+        self.cache = cache
+        self.references: list = []      # the reference callables the checks used (for the copy report)
+
+    def _pair(self, student_job, reference_job, world_size, timeout) -> tuple[Run, Run]:
+        key = hashlib.sha256(reference_job.call + bytes([world_size])).hexdigest()
+        box = {}
+        thread = None
+        if key not in self.cache:
+            thread = threading.Thread(target=lambda: box.update(ref=self.reference.run(reference_job, world_size, timeout)))
+            thread.start()
+        mine = self.student.run(student_job, world_size, timeout)
+        if thread is not None:
+            thread.join()
+            self.cache[key] = box["ref"]
+        return mine, self.cache[key]
+
+    def _jobs(self, call_student: bytes, call_reference: bytes, local: bool, forbid, name: str):
+        withheld = [(f, f"{name} called {_where(f)}, which this exercise forbids: {why}") for f, why in forbid.items()]
+        student = sandbox.Job(call_student, local, self.cells, cloudpickle.dumps(withheld), True, self.hidden)
+        return student, sandbox.Job(call_reference, local)
+
+    def check(self, student, reference, make_inputs, *, world_sizes=(2, 4), trials=2, forbid=None,
+              timeout=60.0, rtol=None, atol=None, same_traffic=False, quiet=False) -> None:
+        from parakit.grading import Traffic, compare_traffic, compare_values
+        name, forbid = getattr(student, "__name__", "your function"), forbid or {}
+        self.references.append(reference)
+        for world_size in list(world_sizes):
+            for trial in range(trials):
+                seed = random.randrange(2**31)
+                jobs = self._jobs(cloudpickle.dumps((student, make_inputs, seed)),
+                                  cloudpickle.dumps((reference, make_inputs, seed)), False, forbid, name)
+                mine, theirs = self._pair(*jobs, world_size, timeout)
+                where = f"{name} on {world_size} ranks, trial {trial + 1}"
+                _raise_failures(mine, theirs, where)
+                _raise_forbidden(mine, theirs, forbid, name)
+                for rank, (got, expected) in enumerate(zip(mine.values, theirs.values)):
+                    got = _outcome(got)
+                    _raise_error(got, f"{where}, rank {rank}")
+                    compare_values(got["value"], expected["value"], f"{where}, rank {rank} (seed {seed})", rtol, atol)
+                if same_traffic:
+                    compare_traffic([(Traffic.of_calls(a), Traffic.of_calls(b)) for a, b in zip(mine.calls, theirs.calls)],
+                                     f"{where} (seed {seed})")
+
+    def check_local(self, student, reference, cases, *, forbid=None, rtol=None, atol=None, quiet=False) -> None:
+        from parakit.grading import compare_values
+        name, forbid, cases = getattr(student, "__name__", "your function"), forbid or {}, list(cases)
+        self.references.append(reference)
+        jobs = self._jobs(cloudpickle.dumps((student, cases)), cloudpickle.dumps((reference, cases)), True, forbid, name)
+        mine, theirs = self._pair(*jobs, 1, 60.0 + 0.5 * len(cases))
+        _raise_failures(mine, theirs, name)
+        _raise_forbidden(mine, theirs, forbid, name)
+        got_all = mine.values[0]
+        if not isinstance(got_all, list) or len(got_all) != len(cases):
+            _raise_error(_outcome(got_all), name)
+            raise AssertionError(f"{name}: sent back {type(got_all).__name__}, not one result per case")
+        for case, got, expected in zip(cases, got_all, theirs.values[0]):
+            where = f"{name}{_short(case)}"
+            got = _outcome(got)
+            _raise_error(got, where)
+            compare_values(got["value"], expected["value"], where, rtol, atol)
+
+
+def _where(fn) -> str:
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', fn)}"
+
+
+def _short(case) -> str:
+    text = repr(tuple(case))
+    return text if len(text) < 120 else text[:117] + "...)"
+
+
+def _raise_failures(mine: Run, theirs: Run, where: str) -> None:
+    flat = [x for v in theirs.values for x in (v if isinstance(v, list) else [v])]
+    if theirs.failure or any(not isinstance(v, dict) or "error" in v for v in flat):
+        raise RuntimeError(f"the reference failed ({where}): {theirs.failure or [v for v in flat if 'error' in v][:1]}")
+    if mine.failure:
+        raise AssertionError(f"{where}: {mine.failure}")
+
+
+def _raise_forbidden(mine: Run, theirs: Run, forbid: dict, name: str) -> None:
+    """A forbidden function reached by any route: its stub reported the trip, or the
+    broker saw the rank make a collective of a forbidden kind the reference never makes."""
+    for notes in mine.notes:
+        for note in notes:
+            if note.startswith("tripped: "):
+                raise Tripwire(note.removeprefix("tripped: "))
+    from parakit.grading import kind_of
+    theirs_kinds = {c.op for calls in theirs.calls for c in calls}
+    kinds = {kind_of(f.__name__): why for f, why in forbid.items()
+             if getattr(f, "__module__", "").startswith("torch.distributed") and kind_of(f.__name__) in _KINDS}
+    for rank, calls in enumerate(mine.calls):
+        for c in calls:
+            if c.op in kinds and c.op not in theirs_kinds:
+                raise Tripwire(f"rank {rank}: {name} made a {c.op} (seen by the judge's relay), which this exercise "
+                               f"forbids: {kinds[c.op]}")
+
+
+_KINDS = {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
+          "barrier", "send", "recv"}
+
+
+def _raise_error(got: dict, where: str) -> None:
+    if "error" in got:
+        cls = Tripwire if got.get("tripwire") else AssertionError
+        raise cls(f"{where}: raised {got['error']}")
+
+
+# ---------------------------------------------------------------------------- a notebook
+
+class Judge:
+    """Grades submissions of one lesson against its solution notebook (see the module)."""
+
+    def __init__(self, solution, config: JudgeConfig):
+        self.config = config
+        self.cells = [c for c in solution.cells if c.cell_type == "code"]
+        self.tests = {meta(c)["grade_id"]: c for c in self.cells if meta(c).get("grade")}
+        self.answers = {meta(c)["grade_id"]: c for c in self.cells if meta(c).get("solution") and not meta(c).get("grade")}
+        self.points = {g: float(meta(c).get("points", 0)) for g, c in self.tests.items()}
+        self.answer_names = set().union(*(defined_names(parse(c.source)) for c in self.answers.values())) \
+            if self.answers else set()
+        self._runners: tuple[Runner, Runner] | None = None
+        self.cache: dict = {}
+
+    def close(self):
+        for runner in self._runners or ():
+            runner.close()
+        self._runners = None
+
+    def runners(self) -> tuple[Runner, Runner]:
+        if self._runners is None:
+            self._runners = (Runner(self.config), Runner(self.config))
+        return self._runners
+
+    def _layout(self, answers: dict[str, str]):
+        """The instructor's setup statements and the answer cells, in notebook order, as
+        (label, source, student) cells; and the instructor setup alone."""
+        trees = []
+        for index, cell in enumerate(self.cells):
+            gid = meta(cell).get("grade_id")
+            if gid in self.tests or gid in self.answers:
+                continue
+            trees.append((index, parse(cell.source)))
+        needed = set().union(*(used_names(parse(s)) for s in [*answers.values(), *(c.source for c in self.tests.values())]))
+        setup = setup_statements(trees, needed | self.answer_names)
+        order = [(i, f"<setup cell {i}>", s, False) for i, s in setup]
+        for index, cell in enumerate(self.cells):
+            gid = meta(cell).get("grade_id")
+            if gid in self.answers and gid in answers:
+                order.append((index, f"<answer {gid}>", python_source(answers[gid]), True))
+        order.sort(key=lambda item: item[0])
+        return [(label, source, student) for _, label, source, student in order], setup
+
+    def prelude(self, cells) -> tuple[list, list[str]]:
+        """Run the cells once, alone: answer cells that never return or kill their process
+        are left out of every later run (and said so)."""
+        runner = self.runners()[1]
+        skipped, notes = set(), []
+        while True:
+            kept = [(i, c) for i, c in enumerate(cells) if i not in skipped]
+            job = sandbox.Job(cloudpickle.dumps((int, [])), True, [c for _, c in kept], b"", True,
+                              self.config.hidden, report_cells=True)
+            run = runner.run(job, 1, self.config.cell_timeout, progress=[])
+            done = sum(1 for n in run.notes[0] if n.startswith("cell "))
+            if run.failure is None or done >= len(kept):
+                break
+            index, (label, _, student) = kept[done]
+            skipped.add(index)
+            what = label.strip("<>").removeprefix("answer ")
+            notes.append(f"{what}: the answer cell timed out (no return within {self.config.cell_timeout:g} s); "
+                         f"its tests score 0" if "did not finish" in run.failure else
+                         f"{what}: the answer cell killed its process (the kernel died: os._exit, a crash or "
+                         f"out of memory); its tests score 0")
+            if not student:
+                break
+        return [c for i, c in enumerate(cells) if i not in skipped], notes
+
+    def grade(self, submission) -> tuple[list[Verdict], list[str]]:
+        """Every test of the solution, judged on the submission's answer cells."""
+        from parakit import grading
+        answers = {meta(c)["grade_id"]: c.source for c in submission.cells
+                   if c.cell_type == "code" and meta(c).get("grade_id") in self.answers}
+        cells, setup = self._layout(answers)
+        cells, notes = self.prelude(cells)
+        namespace = {"__name__": "__main__", "__builtins__": builtins}
+        for name in self.answer_names:
+            namespace[name] = StudentName((name,))
+        for index, source in setup:
+            with contextlib.suppress(Exception):
+                exec(compile(source, f"<setup cell {index}>", "exec"), namespace)
+        for name in self.answer_names:
+            namespace[name] = StudentName((name,))
+        sealed = Sealed(*self.runners(), cells, self.config.hidden, self.cache)
+        verdicts = []
+        for gid, cell in self.tests.items():
+            seed = int(hashlib.sha256(f"{self.config.salt}/{gid}".encode()).hexdigest()[:12], 16)
+            random.seed(seed)
+            torch.manual_seed(seed)
+            grading.SEALED[:] = [sealed]
+            try:
+                exec(compile(python_source(cell.source), f"<test {gid}>", "exec"), namespace)
+                verdicts.append(Verdict(gid, self.points[gid], self.points[gid]))
+            except Exception as error:  # noqa: BLE001: any failure of a test cell fails it
+                verdicts.append(Verdict(gid, 0.0, self.points[gid], f"{type(error).__name__}: {error}"[:3000]))
+            finally:
+                grading.SEALED.clear()
+        notes += self.copies(answers, sealed.references)
+        return verdicts, notes
+
+    def copies(self, answers: dict[str, str], references) -> list[str]:
+        """Report lines for answers whose syntax tree is close to the reference's."""
+        import inspect
+        sources = [c.source for c in self.answers.values()]
+        for ref in references:
+            with contextlib.suppress(TypeError, OSError):
+                if getattr(ref, "__module__", "").startswith("parakit"):
+                    sources.append(inspect.getsource(ref))
+        refs = [shape(s) for s in sources]
+        lines = []
+        for gid, source in answers.items():
+            mine = shape(source)
+            if len(mine) < 12:
+                continue
+            best = max((difflib.SequenceMatcher(None, mine, r, autojunk=False).ratio() for r in refs if r), default=0)
+            if best >= 0.8:
+                lines.append(f"{gid}: close to the reference's code (similarity {best:.2f}): copied? (reported, not scored)")
+        return lines
+
+
+def shape(source: str) -> list[str]:
+    """The tokens of a source's syntax tree with names, strings and numbers blanked and
+    docstrings dropped: two answers that differ only in naming have the same shape."""
+    try:
+        tree = ast.parse(python_source(source))
+    except SyntaxError:
+        return []
+    tokens = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            continue
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            continue
+        if isinstance(node, ast.Attribute):
+            tokens.append(f".{node.attr}")
+        elif not isinstance(node, (ast.Name, ast.arg, ast.Load, ast.Store, ast.Constant, ast.alias, ast.arguments)):
+            tokens.append(type(node).__name__)
+    return tokens

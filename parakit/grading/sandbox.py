@@ -1,0 +1,307 @@
+"""Fresh processes for a sealed run, started from a zygote that no student code touched.
+
+`Zygote()` starts one trusted process that imports torch and every parakit module once and
+then forks a child per rank on request (a fork after the imports costs milliseconds, a
+fresh interpreter about a second). The zygote is a child subreaper: a process a student's
+child leaves behind is re-parented to it, so `sweep()` finds and kills it. Each child
+closes every file it inherited, writes its output to a capped file in its own scratch
+folder, connects to the judge's broker (`relay`), runs a `Job` and sends back its result
+as plain data (`codec`), then exits. A student's child is locked (`jail`) before the
+student's first line runs.
+
+    zygote = Zygote(); pids = [zygote.fork(spec) for spec in specs]; ...; zygote.sweep()
+"""
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import random
+import resource
+import struct
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass, field
+
+__all__ = ["Zygote", "Job", "student_object"]
+
+LOG_LIMIT = 8 * 2**20         # bytes a child may write to its output file
+NAMESPACE: dict | None = None  # a student's child: the names its cells defined
+
+
+@dataclass
+class Job:
+    """What every rank of one sealed run does. `cells`: sources run in order in one
+    namespace (student cells have `student=True`, their exceptions are kept, not raised).
+    `call`: cloudpickled (fn, make_inputs, seed) for a check, or (fn, cases) for a local
+    check. `forbid`: cloudpickled [(function, message)] withheld before any cell runs."""
+
+    call: bytes
+    local: bool
+    cells: list[tuple[str, str, bool]] = field(default_factory=list)   # (label, source, student)
+    forbid: bytes = b""
+    locked: bool = False
+    hidden: list[str] = field(default_factory=list)
+    report_cells: bool = False
+
+
+def student_object(path: tuple[str, ...]):
+    """What a `StudentName` proxy of the judge becomes in a student's child: the object its
+    cells bound to that name (attributes followed)."""
+    if NAMESPACE is None:
+        raise RuntimeError(f"{'.'.join(path)} is the student's code: only a student's process can run it")
+    if path[0] not in NAMESPACE:
+        raise NameError(f"name {path[0]!r} is not defined: the answer cell that defines it did not run "
+                        f"(or does not define it)")
+    value = NAMESPACE[path[0]]
+    for attr in path[1:]:
+        value = getattr(value, attr)
+    return value
+
+
+# ---------------------------------------------------------------------------- the zygote
+
+_LEN = struct.Struct("!I")
+
+
+class Zygote:
+    """The trusted process that forks ranks (see the module's docstring)."""
+
+    def __init__(self):
+        env = {**os.environ, "PYTHONHASHSEED": "0", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "parakit.grading.sandbox"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env, start_new_session=True)
+        self._expect("ready")
+
+    def fork(self, spec: dict) -> int:
+        """Fork a child that runs `spec` (see `_child`); its pid."""
+        return int(self._ask({"fork": spec}))
+
+    def sweep(self) -> int:
+        """Kill every process the zygote has forked or adopted; how many were alive."""
+        return int(self._ask({"sweep": True}))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self._ask({"exit": True})
+            except (OSError, EOFError, ValueError):
+                pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _ask(self, message: dict) -> str:
+        data = pickle.dumps(message)
+        self.proc.stdin.write(_LEN.pack(len(data)) + data)
+        self.proc.stdin.flush()
+        return self._expect()
+
+    def _expect(self, word: str | None = None) -> str:
+        line = self.proc.stdout.readline().decode().strip()
+        if not line or (word and line != word):
+            raise RuntimeError(f"the grading zygote stopped answering (said {line!r})")
+        return line
+
+
+def _zygote_main() -> None:
+    """Import everything once, become a subreaper, then fork children on request."""
+    import ctypes
+    import importlib
+    import pkgutil
+    import signal
+
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)   # PR_SET_CHILD_SUBREAPER: orphans come to us
+    import cloudpickle  # noqa: F401
+    import torch  # noqa: F401
+    import parakit
+    for module in pkgutil.walk_packages(parakit.__path__, "parakit."):
+        importlib.import_module(module.name)
+    signal.signal(signal.SIGCHLD, lambda *_: _reap())
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    stdout.write(b"ready\n")
+    stdout.flush()
+    while True:
+        head = stdin.read(_LEN.size)
+        if len(head) < _LEN.size:
+            return
+        message = pickle.loads(stdin.read(_LEN.unpack(head)[0]))  # from the judge, which started us
+        if "exit" in message:
+            _kill_children()
+            stdout.write(b"0\n")
+            stdout.flush()
+            return
+        if "sweep" in message:
+            answer = _kill_children()
+        else:
+            answer = os.fork()
+            if answer == 0:
+                _child(message["fork"])
+        stdout.write(f"{answer}\n".encode())
+        stdout.flush()
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _children() -> list[int]:
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == me and fields[0] not in "ZX":
+                found.append(int(entry))
+    return found
+
+
+def _kill_children() -> int:
+    """SIGKILL every child (forked or adopted) until none is left; how many there were."""
+    import signal
+    import time
+    killed = set()
+    for _ in range(200):
+        alive = _children()
+        if not alive:
+            break
+        for pid in alive:
+            killed.add(pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.005)
+        _reap()
+    return len(killed)
+
+
+# ---------------------------------------------------------------------------- a child
+
+def _child(spec: dict) -> None:
+    """Run one rank of a job and exit; never returns."""
+    try:
+        _isolate(spec["scratch"], spec["rank"])
+        _run(spec)
+    except BaseException:  # noqa: BLE001 (the process ends here whatever happened)
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _isolate(scratch: str, rank: int) -> None:
+    """Close what the zygote holds open; output to a capped file; work in `scratch`."""
+    import signal
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.closerange(3, 65536)
+    log = os.open(os.path.join(scratch, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(null)
+    os.close(log)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (LOG_LIMIT, LOG_LIMIT))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.chdir(scratch)
+    os.environ.update(HOME=scratch, TMPDIR=scratch, MPLCONFIGDIR=scratch)
+
+
+def _run(spec: dict) -> None:
+    global NAMESPACE
+    import cloudpickle
+    import torch
+    import torch.distributed as dist
+    from parakit.grading import codec, jail, relay
+
+    torch.set_num_threads(1)
+    rank, world_size, job = spec["rank"], spec["world_size"], spec["job"]
+    link = relay.connect(spec["path"], rank, spec["token"])
+    dist.init_process_group(relay.BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
+    notify = lambda text: link.send({"note": "tripped: " + text})  # noqa: E731
+    if job.forbid:
+        for fn, message in cloudpickle.loads(job.forbid):
+            jail.withhold(fn, message, notify)
+    if job.locked:
+        jail.lock(spec["scratch"], job.hidden)
+    namespace = NAMESPACE = {"__name__": "__main__", "__builtins__": __builtins__}
+    for index, (label, source, student) in enumerate(job.cells):
+        error = _exec_cell(label, source, namespace, student)
+        if job.report_cells:
+            link.send({"note": f"cell {index} " + (f"error {error}" if error else "ok")})
+    result = _call(job, rank, world_size, cloudpickle)
+    try:
+        header, payload = codec.encode(result)
+    except codec.CodecError as error:
+        header, payload = codec.encode({"error": f"CodecError: {error}", "tripwire": False})
+    link.send({"result": header}, payload)
+    dist.destroy_process_group()
+
+
+def _exec_cell(label: str, source: str, namespace: dict, student: bool) -> str | None:
+    """Run one cell; a student cell's exception is printed and returned as text."""
+    try:
+        exec(compile(source, label, "exec"), namespace)
+    except Exception as error:  # noqa: BLE001
+        if not student:
+            raise
+        traceback.print_exc()
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _call(job: Job, rank: int, world_size: int, cloudpickle):
+    """The job's call: {"value": ...} or {"error": text, "tripwire": bool}; a local check
+    gives one of those per case."""
+    import torch
+    from parakit.grading import InputContext, jail
+
+    def guarded(fn, args):
+        try:
+            return {"value": fn(*args)}
+        except Exception as error:  # noqa: BLE001
+            traceback.print_exc()
+            return {"error": f"{type(error).__name__}: {error}"[:4000], "tripwire": isinstance(error, jail.Tripwire)}
+
+    def reseed(seed):  # the same global random state on the student's and the reference's ranks
+        random.seed(seed)
+        torch.manual_seed(seed)
+
+    try:
+        call = cloudpickle.loads(job.call)
+    except Exception as error:  # noqa: BLE001: the student's names it needs are missing, say
+        traceback.print_exc()
+        return {"error": f"{type(error).__name__}: {error}"[:4000], "tripwire": False}
+    if job.local:
+        fn, cases = call
+        outcomes = []
+        for index, case in enumerate(cases):
+            reseed(index)
+            outcomes.append(guarded(fn, copy.deepcopy(case)))
+        return outcomes
+    fn, make_inputs, seed = call
+    context = InputContext(rank, world_size, torch.Generator().manual_seed(seed),
+                           torch.Generator().manual_seed(seed * 1009 + rank + 1))
+    reseed(seed + rank)
+    inputs = make_inputs(context)
+    reseed(seed * 7 + rank)
+    return guarded(fn, copy.deepcopy(inputs))
+
+
+if __name__ == "__main__":  # run as `python -m`: work in the importable module, where NAMESPACE lives
+    from parakit.grading import sandbox
+    sandbox._zygote_main()
