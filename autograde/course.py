@@ -2,13 +2,15 @@
 
     python -m autograde.course generate [--check]     solutions/*.ipynb -> lessons/*.ipynb
     python -m autograde.course validate               solutions pass, untouched lessons fail
-    python -m autograde.course grade SUBMISSIONS [--out DIR]
+    python -m autograde.course grade SUBMISSIONS [--out DIR] [--jobs N] [--in-kernel]
 
-SUBMISSIONS holds one folder per student with that student's notebooks, named as the
-lessons are (`alice/00_collectives.ipynb`). Every notebook is autograded by nbgrader in the
-course root (this folder, see nbgrader_config.py). Under --out (default: autograde/grades/)
-land grades.csv (one row per student and lesson), grades_by_test.csv, report.txt,
-grading.log and feedback/<student>/<lesson>.html. Running it again regrades everything.
+nbgrader generates the student lessons from the solutions and validates them (course root:
+this folder, see nbgrader_config.py). SUBMISSIONS holds one folder per student with that
+student's notebooks, named as the lessons are (`alice/00_collectives.ipynb`); each is graded
+by the sealed judge (autograde.sealed, parakit.grading.judge), N at a time. Under --out
+(default: autograde/grades/) land grades.csv (one row per student and lesson),
+grades_by_test.csv, report.txt, grading.log, graded/<student>/<lesson>.ipynb and
+feedback/<student>/<lesson>.html. Running it again regrades everything.
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ from nbgrader.apps.api import NbGraderAPI
 from nbgrader.coursedir import CourseDirectory
 from nbgrader.validator import Validator
 from traitlets.config.loader import PyFileConfigLoader
+
+from autograde.sealed import Result, Task, course_salt, grade_all, inspect_submission, read_submission, restore, snapshot
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -189,57 +193,6 @@ def validate(solutions: Path, lessons: Path, timeout: int | None = None) -> list
 
 # ---------------------------------------------------------------------------- grade
 
-@dataclass
-class Result:
-    """One student's grade on one assignment."""
-    student: str
-    assignment: str
-    max_score: float
-    score: float = 0.0
-    status: str = "graded"               # graded | missing | not a notebook | autograde failed
-    tests: dict[str, tuple[float, float]] = field(default_factory=dict)   # grade_id -> (score, max)
-    notes: list[str] = field(default_factory=list)
-
-
-def graded_cells(nb) -> dict[str, dict]:
-    """grade_id -> nbgrader metadata, for the answer and test cells of a notebook."""
-    cells = {}
-    for cell in nb.cells:
-        meta = cell.get("metadata", {}).get("nbgrader", {})
-        if meta.get("grade_id") and (meta.get("grade") or meta.get("solution") or meta.get("locked")):
-            cells[meta["grade_id"]] = dict(meta, _cell=cell)
-    return cells
-
-
-def read_submission(path: Path):
-    """The notebook at `path`, or the reason it is not one."""
-    try:
-        data = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        return None, f"not a notebook (invalid JSON: {error})"
-    try:
-        return nbformat.reads(json.dumps(data), as_version=4), None
-    except Exception as error:  # nbformat raises several kinds for malformed notebooks
-        return None, f"not a notebook ({type(error).__name__}: {str(error).splitlines()[0]})"
-
-
-def inspect_submission(nb, released) -> list[str]:
-    """Report lines for a submission's missing or edited graded cells."""
-    notes, mine, theirs = [], graded_cells(nb), graded_cells(released)
-    missing_tests = [g for g, m in theirs.items() if m.get("grade") and g not in mine]
-    missing_answers = [g for g, m in theirs.items() if m.get("solution") and not m.get("grade") and g not in mine]
-    if missing_tests:
-        notes.append("missing test cells, scored 0: " + ", ".join(
-            f"{g} ({theirs[g].get('points', 0):g} pt)" for g in missing_tests))
-    if missing_answers:
-        notes.append("missing answer cells (graded on what the notebook defines): " + ", ".join(missing_answers))
-    edited = [g for g, m in theirs.items() if m.get("locked") and g in mine
-              and nbg_utils.compute_checksum(mine[g]["_cell"]) != m.get("checksum")]
-    if edited:
-        notes.append("edited test cells, restored to the instructor's version: " + ", ".join(edited))
-    return notes
-
-
 def execution_notes(autograded: Path) -> list[str]:
     """Report lines for cells that timed out or took the kernel down while grading."""
     if not autograded.exists():
@@ -292,7 +245,10 @@ def forget(course: Course, assignment: str, student: str) -> None:
             pass
 
 
-def grade_one(course: Course, student: str, assignment: str, path: Path | None, released) -> Result:
+def grade_in_kernel(course: Course, student: str, assignment: str, path: Path | None, released) -> Result:
+    """nbgrader's own autograde: the notebook, answers and tests together, in one kernel the student's
+    code controls. Not what `grade` records (see autograde.sealed); kept to measure against it and to
+    show where the two disagree (`grade --in-kernel`)."""
     max_score, tests = scores(course, assignment, None)
     result = Result(student, assignment, max_score, tests=tests)
     if path is None:
@@ -357,34 +313,76 @@ def collect(submissions: Path, assignments: list[str]):
 
 
 def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
-          solutions: Path = REPO / "solutions", timeout: int | None = None) -> list[Result]:
-    """Autograde every student's notebooks; write the CSVs, feedback and report under `out`."""
+          solutions: Path = REPO / "solutions", timeout: int | None = None, jobs: int = 1,
+          in_kernel: bool = False) -> list[Result]:
+    """Grade every student's notebooks with the sealed judge (`jobs` at a time); write the
+    CSVs, the graded notebooks, feedback and the report under `out`. With `in_kernel`, also
+    autograde each notebook the old way (nbgrader, in one kernel) and report where the two differ."""
     submissions, out = Path(submissions), Path(out or Path(root) / "grades")
     if not submissions.is_dir():
         raise SystemExit(f"{submissions} is not a folder of student folders")
     if out.resolve() == Path(root).resolve():
         raise SystemExit("--out must not be the course root itself (nbgrader's folders live there)")
+    if jobs < 1:
+        raise SystemExit(f"--jobs {jobs}: give the number of notebooks to grade at once (1 or more)")
     out.mkdir(parents=True, exist_ok=True)
+    for folder in ("feedback", "graded"):
+        shutil.rmtree(out / folder, ignore_errors=True)
     log = logging.getLogger(f"autograde.{id(out)}")
     log.setLevel(logging.INFO)
     handler = logging.FileHandler(out / "grading.log", mode="w")
     log.addHandler(handler)
     try:
         course = Course(root=root, solutions=solutions, timeout=timeout, log=log)
-        released = {name: nbformat.read(path, as_version=4) for name, path in course.release().items()}
+        released = course.release()
         found, strays, notes = collect(submissions, list(released))
-        results = []
-        for student, paths in found.items():
-            for assignment, path in paths.items():
-                result = grade_one(course, student, assignment, path, released[assignment])
-                result.notes += strays.get((student, assignment), [])
-                results.append(result)
-                print(report_line(result), flush=True)
-        write_outputs(results, notes, course, out)
+        guarded = [Path(parakit_dir()), course.solutions, *Path(HERE).glob("*.py")]
+        kept = snapshot(guarded)
+        scratch = tempfile.mkdtemp(prefix="parakit-grading-")
+        hidden = [parakit_dir(), str(course.solutions), str(course.root), str(submissions.resolve()),
+                  str(out.resolve()), str(REPO / "tests"), scratch]
+        tasks = [Task(student, assignment, str(path) if path else None, str(course.solutions / f"{assignment}.ipynb"),
+                      str(released[assignment]), str(out), hidden, float(course.config.Execute.timeout),
+                      course_salt(course.root), scratch)
+                 for student, paths in found.items() for assignment, path in paths.items()]
+
+        def finished(result: Result) -> None:
+            result.notes += strays.get((result.student, result.assignment), [])
+            changed = restore(kept, guarded)
+            if changed:  # the jail refuses such writes: this is the last line of defence
+                result.score, result.tests = 0.0, {g: (0.0, m) for g, (_, m) in result.tests.items()}
+                result.notes.append("the course's files changed while this was graded (restored, scored 0): "
+                                    + ", ".join(changed[:5]))
+            print(report_line(result), flush=True)
+
+        try:
+            results = grade_all(tasks, jobs, finished)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        if in_kernel:
+            for result in results:
+                result.notes += compare_in_kernel(course, result, found, released)
+        write_outputs(results, notes, out)
         return results
     finally:
         log.removeHandler(handler)
         handler.close()
+
+
+def parakit_dir() -> str:
+    import parakit
+    return str(Path(parakit.__file__).resolve().parent)
+
+
+def compare_in_kernel(course: Course, sealed: Result, found, released) -> list[str]:
+    """Report lines where nbgrader's in-kernel autograde scores a test differently."""
+    path = found[sealed.student][sealed.assignment]
+    if sealed.status != "graded":
+        return []
+    theirs = grade_in_kernel(course, sealed.student, sealed.assignment, path,
+                             nbformat.read(released[sealed.assignment], as_version=4))
+    return [f"{g}: {theirs.tests[g][0]:g} in the kernel, {s:g} sealed (the sealed grade is the one recorded)"
+            for g, (s, _) in sealed.tests.items() if g in theirs.tests and theirs.tests[g][0] != s]
 
 
 def report_line(r: Result) -> str:
@@ -404,7 +402,7 @@ UNGRADED_HTML = """<!DOCTYPE html>
 """
 
 
-def write_outputs(results: list[Result], notes: list[str], course: Course, out: Path) -> None:
+def write_outputs(results: list[Result], notes: list[str], out: Path) -> None:
     with open(out / "grades.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["student", "assignment", "score", "max_score", "status", "tests", "notes"])
@@ -417,24 +415,19 @@ def write_outputs(results: list[Result], notes: list[str], course: Course, out: 
         for r in results:
             for g, (s, m) in r.tests.items():
                 w.writerow([r.student, r.assignment, g, f"{s:g}", f"{m:g}"])
-    shutil.rmtree(out / "feedback", ignore_errors=True)
     for r in results:
         target = out / "feedback" / r.student / f"{r.assignment}.html"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        made = course.root / "feedback" / r.student / r.assignment / f"{r.assignment}.html"
-        if r.status == "graded" and made.exists():
-            shutil.copyfile(made, target)
-        else:
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(UNGRADED_HTML.format(
                 assignment=html.escape(r.assignment), score=f"{r.score:g}/{r.max_score:g}",
                 status=html.escape(r.status), notes="".join(f"<li>{html.escape(n)}</li>" for n in r.notes)))
-    feedback = out / "feedback"
     summary = [f"{len({r.student for r in results})} students, {len(results)} notebooks: "
                f"{sum(r.status == 'graded' for r in results)} graded, "
                f"{sum(r.status != 'graded' for r in results)} could not be graded"]
     summary += [f"note: {n}" for n in notes]
     summary += [f"grades: {out / 'grades.csv'} (per test: {out / 'grades_by_test.csv'})",
-                f"feedback: {feedback}",
+                f"feedback: {out / 'feedback'} (graded notebooks: {out / 'graded'})",
                 f"log: {out / 'grading.log'}"]
     (out / "report.txt").write_text("\n".join([report_line(r) for r in results] + summary) + "\n")
     print("\n".join(summary))
@@ -460,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", type=Path, help="where grades.csv, feedback/ and report.txt go (default: ROOT/grades)")
     r.add_argument("--root", type=Path, default=HERE, help="nbgrader course root (default: autograde/)")
     r.add_argument("--timeout", type=int, help="seconds per cell (default: nbgrader_config.py)")
+    r.add_argument("--jobs", type=int, default=1, help="notebooks graded at once (default 1); same grades")
+    r.add_argument("--in-kernel", action="store_true",
+                   help="also autograde each notebook in one kernel with nbgrader and report where it differs")
     args = parser.parse_args(argv)
 
     if args.command == "generate":
@@ -476,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         problems = validate(args.solutions, args.lessons, timeout=args.timeout)
         print("\n".join(problems) if problems else "solutions pass, untouched lessons fail: ok")
         return 1 if problems else 0
-    grade(args.submissions, out=args.out, root=args.root, solutions=args.solutions, timeout=args.timeout)
+    grade(args.submissions, out=args.out, root=args.root, solutions=args.solutions, timeout=args.timeout,
+          jobs=args.jobs, in_kernel=args.in_kernel)
     return 0
 
 

@@ -247,7 +247,7 @@ def test_report_says_what_happened_to_each_student(built, graded):
 def test_edited_test_cells_are_graded_as_the_instructor_wrote_them(built, graded):
     solution = panel.load(built.lesson.solution)
     name = built.lesson.name
-    autograded = panel.load(graded.root / "autograded" / "edited_tests" / name / f"{name}.ipynb")
+    autograded = panel.load(graded.out / "graded" / "edited_tests" / f"{name}.ipynb")
     for test_id in panel.grade_ids(solution, "test"):
         want = next(c.source for c in solution.cells if panel.nbgrader_meta(c).get("grade_id") == test_id)
         got = next(c.source for c in autograded.cells if panel.nbgrader_meta(c).get("grade_id") == test_id)
@@ -271,5 +271,5 @@ def test_grading_again_regrades_from_scratch(built, graded, tmp_path):
     again = grade_panel(built, swapped, tmp_path / "class", graded.root)
     assert again.scores == {s.name: expected_scores(built, s) for s in swapped}
     assert again.rows["full"]["status"] == "not a notebook"
-    assert not (graded.root / "autograded" / "full" / built.lesson.name).exists()
+    assert not (again.out / "graded" / "full" / f"{built.lesson.name}.ipynb").exists()
     assert set(again.rows) == {"full", "untouched"}

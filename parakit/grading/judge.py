@@ -24,6 +24,7 @@ import os
 import random
 import secrets
 import shutil
+import symtable
 import tempfile
 import threading
 import time
@@ -69,7 +70,20 @@ def defined_names(tree: ast.AST) -> set[str]:
 
 
 def used_names(tree: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    """Names a module's code reads from its globals and does not bind itself first:
+    names read at top level, and the globals its functions and classes read."""
+    try:
+        table = symtable.symtable(ast.unparse(tree), "<cell>", "exec")
+    except SyntaxError:
+        return set()
+    bound = {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
+    names = {s.get_name() for s in table.get_symbols() if s.is_referenced()}
+    stack = list(table.get_children())
+    while stack:
+        child = stack.pop()
+        stack.extend(child.get_children())
+        names |= {s.get_name() for s in child.get_symbols() if s.is_referenced() and s.is_global()}
+    return names - bound
 
 
 def parse(source: str) -> ast.Module:
@@ -81,24 +95,21 @@ def parse(source: str) -> ast.Module:
 
 def setup_statements(cells, needed: set[str]) -> list[tuple[int, str]]:
     """(cell index, source) of the instructor's statements the tests and answers need:
-    imports, functions and classes, and the assignments of names they use, transitively.
-    Expressions (demos, plots, launches) are left out."""
-    chosen: dict[tuple[int, int], ast.stmt] = {}
+    every import, and the functions, classes and assignments that bind a name they use,
+    transitively. Everything else (demos, plots, launches) is left out."""
     statements = [(i, j, s) for i, tree in cells for j, s in enumerate(tree.body)]
-    for i, j, stmt in statements:
-        if isinstance(stmt, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
-            chosen[(i, j)] = stmt
-    wanted = set(needed).union(*(used_names(s) for s in chosen.values()))
-    grew = True
+    chosen = {(i, j) for i, j, s in statements if isinstance(s, (ast.Import, ast.ImportFrom))}
+    binders = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign)
+    wanted, grew = set(needed), True
     while grew:
         grew = False
         for i, j, stmt in statements:
-            if (i, j) not in chosen and isinstance(stmt, (ast.Assign, ast.AnnAssign)) \
+            if (i, j) not in chosen and isinstance(stmt, binders) \
                     and defined_names(ast.Module(body=[stmt], type_ignores=[])) & wanted:
-                chosen[(i, j)] = stmt
-                wanted |= used_names(stmt)
+                chosen.add((i, j))
+                wanted |= used_names(ast.Module(body=[stmt], type_ignores=[]))
                 grew = True
-    return [(i, ast.unparse(chosen[(i, j)])) for i, j, _ in statements if (i, j) in chosen]
+    return [(i, ast.unparse(s)) for i, j, s in statements if (i, j) in chosen]
 
 
 class StudentName:
@@ -358,8 +369,8 @@ def _raise_forbidden(mine: Run, theirs: Run, forbid: dict, name: str) -> None:
                 raise Tripwire(note.removeprefix("tripped: "))
     from parakit.grading import kind_of
     theirs_kinds = {c.op for calls in theirs.calls for c in calls}
-    kinds = {kind_of(f.__name__): why for f, why in forbid.items()
-             if getattr(f, "__module__", "").startswith("torch.distributed") and kind_of(f.__name__) in _KINDS}
+    kinds = {kind_of(f.__name__): why for f, why in forbid.items()   # c10d's own calls (not wrappers of them)
+             if getattr(f, "__module__", "") == "torch.distributed.distributed_c10d" and kind_of(f.__name__) in _KINDS}
     for rank, calls in enumerate(mine.calls):
         for c in calls:
             if c.op in kinds and c.op not in theirs_kinds:
@@ -404,8 +415,9 @@ class Judge:
         return self._runners
 
     def _layout(self, answers: dict[str, str]):
-        """The instructor's setup statements and the answer cells, in notebook order, as
-        (label, source, student) cells; and the instructor setup alone."""
+        """The cells a student's rank runs: the instructor's setup statements first (before
+        the rank is locked), then the answer cells in notebook order, as (label, source,
+        student); and the setup alone, as (cell index, source)."""
         trees = []
         for index, cell in enumerate(self.cells):
             gid = meta(cell).get("grade_id")
@@ -414,13 +426,12 @@ class Judge:
             trees.append((index, parse(cell.source)))
         needed = set().union(*(used_names(parse(s)) for s in [*answers.values(), *(c.source for c in self.tests.values())]))
         setup = setup_statements(trees, needed | self.answer_names)
-        order = [(i, f"<setup cell {i}>", s, False) for i, s in setup]
-        for index, cell in enumerate(self.cells):
+        cells = [(f"<setup cell {i}>", s, False) for i, s in setup]
+        for cell in self.cells:
             gid = meta(cell).get("grade_id")
             if gid in self.answers and gid in answers:
-                order.append((index, f"<answer {gid}>", python_source(answers[gid]), True))
-        order.sort(key=lambda item: item[0])
-        return [(label, source, student) for _, label, source, student in order], setup
+                cells.append((f"<answer {gid}>", python_source(answers[gid]), True))
+        return cells, setup
 
     def prelude(self, cells) -> tuple[list, list[str]]:
         """Run the cells once, alone: answer cells that never return or kill their process

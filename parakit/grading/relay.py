@@ -71,12 +71,19 @@ class _Link:
                 return
             header, payload = frame
             future, outputs = self.pending.pop(header["id"])
-            start = 0
-            for out, meta in zip(outputs, header["outputs"]):
-                value = tensor_from(meta, payload, start)
-                out.copy_(value.view(out.shape))
-                start += value.numel() * value.element_size()
+            _fill(outputs, header["outputs"], payload)
             future.set_result(outputs)
+
+
+def _fill(outputs: list[torch.Tensor], metas: list[dict], payload: bytes) -> None:
+    """Copy the answer's bytes into the call's output tensors, as a transport writes a
+    buffer: autograd does not see it, and nothing of it stays alive here."""
+    start = 0
+    with torch.no_grad():
+        for out, meta in zip(outputs, metas):
+            value = tensor_from(meta, payload, start)
+            out.copy_(value.view(out.shape))
+            start += value.numel() * value.element_size()
 
 
 _LINK: list[_Link] = []

@@ -35,7 +35,8 @@ class Job:
     """What every rank of one sealed run does. `cells`: sources run in order in one
     namespace (student cells have `student=True`, their exceptions are kept, not raised).
     `call`: cloudpickled (fn, make_inputs, seed) for a check, or (fn, cases) for a local
-    check. `forbid`: cloudpickled [(function, message)] withheld before any cell runs."""
+    check. `forbid`: cloudpickled [(function, message)] withheld, and the process locked,
+    after the instructor's cells and before the first student cell."""
 
     call: bytes
     local: bool
@@ -233,16 +234,19 @@ def _run(spec: dict) -> None:
     link = relay.connect(spec["path"], rank, spec["token"])
     dist.init_process_group(relay.BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
     notify = lambda text: link.send({"note": "tripped: " + text})  # noqa: E731
-    if job.forbid:
-        for fn, message in cloudpickle.loads(job.forbid):
-            jail.withhold(fn, message, notify)
-    if job.locked:
-        jail.lock(spec["scratch"], job.hidden)
     namespace = NAMESPACE = {"__name__": "__main__", "__builtins__": __builtins__}
     for index, (label, source, student) in enumerate(job.cells):
+        if student and job.locked:  # the instructor's setup ran; from the student's first line on:
+            if job.forbid:
+                for fn, message in cloudpickle.loads(job.forbid):
+                    jail.withhold(fn, message, notify)
+            jail.lock(spec["scratch"], job.hidden)
+            job.locked = False
         error = _exec_cell(label, source, namespace, student)
         if job.report_cells:
             link.send({"note": f"cell {index} " + (f"error {error}" if error else "ok")})
+    if job.locked:  # a job with no student cell at all is locked all the same
+        jail.lock(spec["scratch"], job.hidden)
     result = _call(job, rank, world_size, cloudpickle)
     try:
         header, payload = codec.encode(result)
