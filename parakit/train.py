@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parakit.ddp import BucketedDDP
-from parakit.launcher import device, select_backend
+from parakit.devices import device, select_backend
 from parakit.mesh import Mesh
 from parakit.pipeline import dp_pp_step, split_stages
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parakit.launcher import device
+from parakit.devices import device
 from parakit.pipeline.schedules import Action, Schedule, build_schedule
 from parakit.pipeline.simulate import Event, Timeline, check_schedule
 from parakit.pipeline.split import split_stages
