@@ -92,7 +92,8 @@ def test_no_module_imports_above_its_layer_or_a_private_name():
 @pytest.mark.parametrize("source,module,message", [
     ("from parakit.launcher import device", "parakit.pipeline.runtime",
      "parakit.pipeline.runtime:1 imports parakit.launcher (top layer) from the technique layer"),
-    ("from parakit import viz", "parakit.groups", "parakit.groups:1 imports parakit.viz (top layer) from the base layer"),
+    ("from parakit import viz", "parakit.groups",
+     "parakit.groups:1 imports parakit.viz (top layer) from the base layer"),
     ("def f():\n    import parakit.train", "parakit.ddp", "parakit.ddp:2 imports parakit.train (top layer)"),
     ("from parakit import device", "parakit.tensor_parallel.random",
      "imports parakit (top layer) from the technique layer"),

@@ -15,8 +15,9 @@ so that only one number per device is gathered.
 Devices are CUDA GPUs where they exist. On CPU they are *logical*: ids 0..k-1 all backed
 by the CPU, with the same scatter/replicate/gather logic and a thread per replica.
 `MemoryMeter` (owned by `parakit.devices`, re-exported here) measures each device's peak
-bytes: torch.cuda's statistics on GPUs, and on CPU a dispatch mode that attributes the storage of every tensor an operator makes to the
-logical device it lives on, counts it live until the storage dies, and keeps the peak.
+bytes: torch.cuda's statistics on GPUs, and on CPU a dispatch mode that attributes the
+storage of every tensor an operator makes to the logical device it lives on, counts it
+live until the storage dies, and keeps the peak.
 """
 from __future__ import annotations
 
