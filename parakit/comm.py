@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from parakit.groups import global_rank
+
 __all__ = ["CommLog", "CommRecord", "ring_all_reduce", "all_reduce_two_phase", "ring_schedule", "ring_bytes", "TRACKER"]
 
 
@@ -306,7 +308,7 @@ def ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> t
         return tensor
     flat = tensor.detach().reshape(-1).clone()  # [numel], contiguous
     chunks = flat.tensor_split(n)  # n views of ~numel/n elements
-    right, left = _global(group, (rank + 1) % n), _global(group, (rank - 1) % n)
+    right, left = global_rank(group, (rank + 1) % n), global_rank(group, (rank - 1) % n)
     for phase, moves in ring_schedule(n):
         send, recv = (chunks[i] for i in moves[rank])
         if phase == "reduce-scatter":
@@ -347,10 +349,6 @@ def ring_schedule(n: int) -> list[tuple[str, list[tuple[int, int]]]]:
     reduce_scatter = [[((r - s) % n, (r - s - 1) % n) for r in range(n)] for s in range(n - 1)]
     all_gather = [[((r + 1 - s) % n, (r - s) % n) for r in range(n)] for s in range(n - 1)]
     return [("reduce-scatter", m) for m in reduce_scatter] + [("all-gather", m) for m in all_gather]
-
-
-def _global(group, rank: int) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group) -> None:

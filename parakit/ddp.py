@@ -41,6 +41,8 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
+from parakit.groups import broadcast_from_first
+
 __all__ = ["NaiveDDP", "FlatDDP", "OverlapDDP", "BucketedDDP", "assign_buckets", "allreduce_hook",
            "compress_hook", "timed_hook"]
 
@@ -62,24 +64,17 @@ class _DataParallel(nn.Module):
         self.process_group = dist.group.WORLD if process_group is None else process_group
         self.world_size = dist.get_world_size(self.process_group)
         _check_same_parameters(module, self.process_group)
-        self._broadcast(list(module.parameters()) + list(module.buffers()))
+        broadcast_from_first(list(module.parameters()) + list(module.buffers()), self.process_group)
         self._params = [p for p in module.parameters() if p.requires_grad]  # parameters() yields a tied one once
         self._ready: set[int] = set()  # ids of the parameters whose hook fired since the last finish
         self._sync = True
         for param in self._params:
             param.register_post_accumulate_grad_hook(self._grad_ready)
 
-    @torch.no_grad()
-    def _broadcast(self, tensors) -> None:
-        """Sends each tensor (its full bytes) from rank 0 of the group to every other rank."""
-        src = dist.get_global_rank(self.process_group, 0)
-        for tensor in tensors:
-            dist.broadcast(tensor.data, src=src, group=self.process_group)
-
     def forward(self, *args, **kwargs):
         if self._ready:
             raise RuntimeError(_UNFINISHED)
-        self._broadcast(list(self.module.buffers()))
+        broadcast_from_first(list(self.module.buffers()), self.process_group)
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager

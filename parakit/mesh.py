@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from parakit.groups import grid_coords, grid_groups, grid_rank, new_subgroups
+
 __all__ = ["mesh_coords", "mesh_rank", "mesh_groups", "Mesh"]
 
 KINDS = ("dp", "pp", "tp")
@@ -31,26 +33,18 @@ def _check_sizes(dp: int, pp: int, tp: int, world_size: int | None = None) -> No
 def mesh_coords(rank: int, dp: int, pp: int, tp: int) -> tuple[int, int, int]:
     """(d, p, t) of `rank`: rank = (d * pp + p) * tp + t."""
     _check_sizes(dp, pp, tp)
-    return rank // (pp * tp), rank // tp % pp, rank % tp
+    return grid_coords(rank, (dp, pp, tp))
 
 
 def mesh_rank(d: int, p: int, t: int, dp: int, pp: int, tp: int) -> int:
-    return (d * pp + p) * tp + t
+    return grid_rank((d, p, t), (dp, pp, tp))
 
 
 def mesh_groups(dp: int, pp: int, tp: int) -> dict[str, list[list[int]]]:
     """Every group of the mesh as ascending rank lists, without creating process groups:
     {"dp": dp groups... , "pp": ..., "tp": ...}; each kind partitions the dp*pp*tp ranks."""
     _check_sizes(dp, pp, tp)
-    sizes = (dp, pp, tp)
-    groups = {}
-    for axis, kind in enumerate(KINDS):
-        seen: dict[tuple[int, ...], list[int]] = {}
-        for rank in range(dp * pp * tp):
-            coords = mesh_coords(rank, *sizes)
-            seen.setdefault(coords[:axis] + coords[axis + 1:], []).append(rank)
-        groups[kind] = list(seen.values())
-    return groups
+    return {kind: grid_groups((dp, pp, tp), [axis]) for axis, kind in enumerate(KINDS)}
 
 
 class Mesh:
@@ -69,11 +63,8 @@ class Mesh:
         self.dp_rank, self.pp_rank, self.tp_rank = mesh_coords(self.rank, dp, pp, tp)
         self.ranks: dict[str, list[int]] = {}
         for kind, lists in mesh_groups(dp, pp, tp).items():
-            for ranks in lists:  # every rank creates every group, in the same order
-                group = dist.new_group(ranks)
-                if self.rank in ranks:
-                    setattr(self, f"{kind}_group", group)
-                    self.ranks[kind] = ranks
+            group, self.ranks[kind] = new_subgroups(lists)
+            setattr(self, f"{kind}_group", group)
 
     @property
     def is_first_stage(self) -> bool:

@@ -22,6 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parakit.groups import grid_coords, grid_groups, grid_rank, new_subgroups
+from parakit.tensor_parallel.mappings import all_reduce_region, gather_from_region, reduce_from_region
+
 __all__ = ["cube_side", "cube_coords", "cube_rank", "cube_groups", "Cube", "Linear3D", "LayerNorm3D",
            "ClassifierHead3D", "x_block", "a_block", "block_owners", "linear3d_forward", "linear3d_backward", "split_batch", "gather_batch",
            "split_weight", "linear3d_cost"]
@@ -40,11 +43,11 @@ def cube_side(world_size: int) -> int:
 
 def cube_coords(rank: int, q: int) -> tuple[int, int, int]:
     """(i, j, l) of `rank` on the q x q x q cube: rank = i*q*q + j*q + l."""
-    return rank // (q * q), rank // q % q, rank % q
+    return grid_coords(rank, (q, q, q))
 
 
 def cube_rank(i: int, j: int, l: int, q: int) -> int:
-    return (i * q + j) * q + l
+    return grid_rank((i, j, l), (q, q, q))
 
 
 def cube_groups(q: int) -> dict[tuple[str, ...], list[list[int]]]:
@@ -54,15 +57,7 @@ def cube_groups(q: int) -> dict[tuple[str, ...], list[list[int]]]:
     axes ("weight", "output"), ... for groups of q*q ranks; ranks in each list ascend.
     """
     kinds = [(a,) for a in AXES] + [(a, b) for n, a in enumerate(AXES) for b in AXES[n + 1:]]
-    groups = {}
-    for kind in kinds:
-        free = [AXES.index(a) for a in kind]
-        seen = {}
-        for rank in range(q**3):
-            fixed = tuple(c for n, c in enumerate(cube_coords(rank, q)) if n not in free)
-            seen.setdefault(fixed, []).append(rank)
-        groups[kind] = list(seen.values())
-    return groups
+    return {kind: grid_groups((q, q, q), [AXES.index(a) for a in kind]) for kind in kinds}
 
 
 class Cube:
@@ -77,23 +72,12 @@ class Cube:
         self.group = group
         self.q = cube_side(dist.get_world_size(group))
         self.coords = cube_coords(dist.get_rank(group), self.q)
-        self._groups = self._build(group)
+        self._groups = {kind: new_subgroups(lists, group)[0] for kind, lists in cube_groups(self.q).items()}
         self.input_axis, self.output_axis = "input", "output"
 
     @property
     def is_swapped(self) -> bool:
         return self.input_axis == "output"
-
-    def _build(self, group) -> dict:
-        mine = {}
-        to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
-        me = dist.get_rank(group)
-        for kind, lists in cube_groups(self.q).items():
-            for ranks in lists:  # every rank creates every group, in the same order
-                made = dist.new_group([to_global(r) for r in ranks])
-                if me in ranks:
-                    mine[kind] = made
-        return mine
 
     def swapped(self) -> "Cube":
         """The same groups with the input and output axes exchanged (for the next layer)."""
@@ -245,24 +229,6 @@ class _GatherShard(torch.autograd.Function):
         return _reduce_scatter(grad, ctx.group, dim=0), None
 
 
-class _AllReduce(torch.autograd.Function):
-    """Sum over the group in forward; in backward sum the gradients too (each member's
-    result feeds different computations). Sends 2(n-1)/n of x's bytes each way."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 def _shard_parameter(full: int, cube: Cube, what: str) -> nn.Parameter:
     _check_divisible(what, full, cube.q**3, cube.q)
     return nn.Parameter(torch.zeros(full // cube.q**3))
@@ -322,7 +288,7 @@ class LayerNorm3D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cube = self.cube
         stats = torch.stack([x.sum(-1), (x * x).sum(-1)], dim=-1)  # [rows, 2]
-        stats = _AllReduce.apply(stats, cube.axis_group(cube.output_axis)) / self.features
+        stats = all_reduce_region(stats, cube.axis_group(cube.output_axis)) / self.features
         mean, var = stats[:, :1], stats[:, 1:] - stats[:, :1] ** 2  # [rows, 1]
         plane = cube.axis_group("weight", cube.input_axis)
         gamma, beta = _GatherShard.apply(self.weight, plane), _GatherShard.apply(self.bias, plane)  # [features/q]
@@ -352,40 +318,12 @@ class ClassifierHead3D(nn.Module):
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """x: this rank's block [batch/q**2, in/q]; target: the full [batch] labels."""
         cube = self.linear.cube
-        logits = _GatherClasses.apply(self.linear(x), cube.axis_group(cube.input_axis))  # [batch/q^2, classes]
+        logits = gather_from_region(self.linear(x), cube.axis_group(cube.input_axis))  # [batch/q^2, classes]
         q, rows = cube.q, logits.shape[0]
         block = cube.coord("weight") * q + cube.coord(cube.output_axis)  # rows of the output layout
         mine = target[block * rows:(block + 1) * rows]
         total = nn.functional.cross_entropy(logits, mine, reduction="sum") / target.shape[0]
-        return _SumLoss.apply(total, cube.axis_group("weight", cube.output_axis))
-
-
-class _GatherClasses(torch.autograd.Function):
-    """All-gather column blocks (sends (n-1) * block bytes); backward keeps this rank's block."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.rank, ctx.n = dist.get_rank(group), dist.get_world_size(group)
-        return _all_gather(x, group, dim=1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.chunk(ctx.n, dim=1)[ctx.rank].contiguous(), None
-
-
-class _SumLoss(torch.autograd.Function):
-    """All-reduce partial losses (one float); every rank then holds the same loss, so the
-    backward passes the gradient through unchanged."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+        return reduce_from_region(total, cube.axis_group("weight", cube.output_axis))  # every rank: the same loss
 
 
 def linear3d_cost(batch: int, in_features: int, out_features: int, q: int, element_size: int = 4) -> dict[str, int]:

@@ -7,9 +7,9 @@
 Each step: the pipeline (`parakit.pipeline.dp_pp_step`) runs this replica's share of the
 batch through the stages of its pp group, micro-batch by micro-batch, with activations and
 their gradients sent between stages; inside every block the tp group all-reduces
-(tensor-parallel attention and MLP, `parakit.tensor_parallel`, when tp > 1); after the last
-micro-batch's backward parakit's BucketedDDP all-reduces the stage gradients over the dp
-group, bucket by bucket, once per step. The model is built from one seed and sharded, so
+(`parakit.tensor_parallel.ParallelTransformerBlock`: heads and MLP columns split across
+it); after the last micro-batch's backward parakit's BucketedDDP all-reduces the stage
+gradients over the dp group, bucket by bucket, once per step. The model is built from one seed and sharded, so
 any mesh trains the same numbers as one process (--dp 1 --pp 1 --tp 1).
 The data is synthetic and drawn from (seed, step), so a resumed run sees the same batches.
 """
@@ -24,10 +24,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parakit.checkpoint import segment_sizes
 from parakit.ddp import BucketedDDP
-from parakit.launcher import device, select_backend
+from parakit.devices import device, select_backend
 from parakit.mesh import Mesh
 from parakit.pipeline import dp_pp_step, split_stages
+from parakit.tensor_parallel import ParallelTransformerBlock
 
 __all__ = ["parse_args", "build_model", "train", "node_backend", "main"]
 
@@ -58,30 +60,6 @@ class Embedding(nn.Module):
         return self.token(ids) + self.position(torch.arange(ids.shape[1], device=ids.device))
 
 
-class Block(nn.Module):
-    """Pre-norm causal self-attention and MLP. With a tp group of t ranks, q, k, v and the
-    MLP's first layer are column-parallel (heads/t and 4*hidden/t per rank), the output
-    projections row-parallel: one all-reduce of [batch, seq, hidden] after each, forward,
-    and one before each column-parallel layer's input gradient, backward."""
-
-    def __init__(self, hidden: int, heads: int, linear):
-        super().__init__()
-        self.heads = heads  # on this rank: heads/t
-        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.q, self.k, self.v = (linear(hidden, hidden, "column") for _ in range(3))
-        self.proj = linear(hidden, hidden, "row")
-        self.fc1, self.fc2 = linear(hidden, 4 * hidden, "column"), linear(4 * hidden, hidden, "row")
-
-    def forward(self, x):  # [batch, seq, hidden]
-        b, s, _ = x.shape
-        h = self.norm1(x)
-        q, k, v = (f(h) for f in (self.q, self.k, self.v))  # [batch, seq, hidden/t]
-        split = lambda t: t.view(b, s, self.heads, -1).transpose(1, 2)  # [batch, heads/t, seq, hidden/heads]
-        att = nn.functional.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, s, -1))  # [batch, seq, hidden]
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm2(x))))
-
-
 class Head(nn.Module):
     """Final layer norm and the vocabulary projection: [batch, seq, hidden] -> [batch, seq, vocab]."""
 
@@ -93,52 +71,15 @@ class Head(nn.Module):
         return self.out(self.norm(x))
 
 
-def _dense_linear(n_in, n_out, kind):
-    return nn.Linear(n_in, n_out)
-
-
 def build_model(args, tp_group=None) -> nn.Sequential:
-    """The model as a Sequential of layers (embedding, blocks, head) from `args.seed`; with
-    a tp group of more than one rank, each block's linears are this rank's shards of the
-    same dense weights."""
-    if args.hidden % args.heads:
-        raise ValueError(f"hidden {args.hidden} is not divisible by heads {args.heads}: pick a multiple of {args.heads}")
+    """The model as a Sequential of layers (embedding, blocks, head) from `args.seed`. The
+    blocks are tensor-parallel over `tp_group` (None: the world): each rank keeps its slice
+    of the dense weights made from the same seed, so every tp size computes the same model."""
     torch.manual_seed(args.seed)
     layers = [Embedding(args.vocab, args.seq, args.hidden),
-              *(Block(args.hidden, args.heads, _dense_linear) for _ in range(args.layers)),
+              *(ParallelTransformerBlock(args.hidden, args.heads, group=tp_group) for _ in range(args.layers)),
               Head(args.hidden, args.vocab)]
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        layers = [_shard_block(layer, args, tp_group) if isinstance(layer, Block) else layer for layer in layers]
     return nn.Sequential(*layers).to(device())
-
-
-def _shard_block(dense: Block, args, tp_group) -> Block:
-    """A Block whose linears are parakit.tensor_parallel layers holding this rank's slices of `dense`'s."""
-    from parakit.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
-    t, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
-    if args.heads % t:
-        raise ValueError(f"heads {args.heads} are not divisible by tp {t}: each tensor-parallel rank needs "
-                         f"whole heads; pick tp dividing {args.heads}")
-
-    def linear(n_in, n_out, kind):
-        if kind == "column":
-            return ColumnParallelLinear(n_in, n_out, gather_output=False, group=tp_group)
-        return RowParallelLinear(n_in, n_out, input_is_parallel=True, group=tp_group)
-
-    block = Block(args.hidden, args.heads // t, linear)
-    with torch.no_grad():
-        for name, module in block.named_children():
-            source = getattr(dense, name)
-            if isinstance(module, nn.LayerNorm):
-                module.load_state_dict(source.state_dict())
-            elif isinstance(module, ColumnParallelLinear):
-                module.weight.copy_(source.weight.chunk(t, 0)[rank])  # [out/t, in]
-                module.bias.copy_(source.bias.chunk(t, 0)[rank])
-            else:
-                module.weight.copy_(source.weight.chunk(t, 1)[rank])  # [out, in/t]
-                module.bias.copy_(source.bias)
-    return block
 
 
 def batch_for(step: int, args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,12 +89,6 @@ def batch_for(step: int, args) -> tuple[torch.Tensor, torch.Tensor]:
     start = torch.randint(0, args.vocab, (args.batch, 1), generator=g)
     tokens = (start + torch.arange(args.seq + 1)) % args.vocab  # [batch, seq + 1]
     return tokens[:, :-1].to(device()), tokens[:, 1:].to(device())
-
-
-def even_balance(num_layers: int, pp: int) -> list[int]:
-    if num_layers < pp:
-        raise ValueError(f"{num_layers} layers cannot fill {pp} pipeline stages: use --layers >= {pp - 2}")
-    return [num_layers // pp + (s < num_layers % pp) for s in range(pp)]
 
 
 def _lm_loss(logits, target):  # [batch, seq, vocab], [batch, seq]
@@ -168,7 +103,9 @@ def train(args) -> list[float]:
         raise ValueError(f"batch {args.batch} does not split into dp {args.dp} x {args.microbatches} micro-batches: "
                          f"pick a multiple of {args.dp * args.microbatches}")
     model = build_model(args, mesh.tp_group)
-    balance = even_balance(len(model), args.pp)
+    if len(model) < args.pp:
+        raise ValueError(f"{len(model)} layers cannot fill {args.pp} pipeline stages: use --layers >= {args.pp - 2}")
+    balance = segment_sizes(len(model), args.pp)  # layers per stage, as even as possible
     mine = nn.ModuleList(split_stages(model, balance)[mesh.pp_rank])
     optimizer = torch.optim.AdamW(mine.parameters(), lr=args.lr)
     first = _load(args.resume, mine, optimizer, mesh) if args.resume else 0

@@ -14,9 +14,10 @@ so that only one number per device is gathered.
 
 Devices are CUDA GPUs where they exist. On CPU they are *logical*: ids 0..k-1 all backed
 by the CPU, with the same scatter/replicate/gather logic and a thread per replica.
-`MemoryMeter` measures each device's peak bytes: torch.cuda's statistics on GPUs, and on
-CPU a dispatch mode that attributes the storage of every tensor an operator makes to the
-logical device it lives on, counts it live until the storage dies, and keeps the peak.
+`MemoryMeter` (owned by `parakit.devices`, re-exported here) measures each device's peak
+bytes: torch.cuda's statistics on GPUs, and on CPU a dispatch mode that attributes the
+storage of every tensor an operator makes to the logical device it lives on, counts it
+live until the storage dies, and keeps the peak.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from parakit.dp.devices import MemoryMeter, resolve_devices
+from parakit.devices import MemoryMeter, resolve_devices
 from parakit.dp.primitives import (balanced_chunk_sizes, check_inputs, data_parallel, even_chunk_sizes, gather,
                                    parallel_apply, replicate, scatter)
 

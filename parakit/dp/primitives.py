@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from parakit.dp.devices import copying_to, current_meter, on_device, resolve_devices, to_device, where
+from parakit.devices import copying_to, current_meter, on_device, resolve_devices, to_device, where
 
 # ------------------------------------------------------------------------- chunk sizes
 

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parakit.launcher import device
-from parakit.pipeline.schedules import Action, Schedule, build_schedule
+from parakit.devices import device
+from parakit.pipeline.actions import Action, Op
+from parakit.pipeline.schedules import Schedule, build_schedule
 from parakit.pipeline.simulate import Event, Timeline, check_schedule
 from parakit.pipeline.split import split_stages
 
@@ -67,23 +68,35 @@ class _Runner:
         self.schedule, self.stages, self.shapes, self.group = schedule, stages, shapes, group
         self.microbatches, self.targets, self.loss_fn = microbatches, targets, loss_fn
         self.rank = dist.get_rank(group) if schedule.num_ranks > 1 else 0
-        self.inbox: dict[tuple[str, int, int], torch.Tensor] = {}  # inputs of F and B, by (op, stage, i)
-        self.outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # results another rank needs
+        self.inbox: dict[tuple[Op, int, int], torch.Tensor] = {}  # inputs of F and B, by (op, stage, i)
+        self.outbox: dict[tuple[Op, int, int], torch.Tensor] = {}  # results another rank needs
         self.stored: dict[tuple[int, int], tuple] = {}  # (stage, i) -> (input, output) kept for backward
         self.sends, self.loss, self.peak = [], None, 0
         self.replica = replica  # a parakit.ddp wrapper of this rank's stages, or None
-        self.last_backward = {a.stage: a.microbatch for a in schedule.actions[self.rank] if a.op == "B"}
+        self.last_backward = {a.stage: a.microbatch for a in schedule.actions[self.rank] if a.op is Op.B}
         self.to_post: dict[int, deque] = {}  # peer -> this rank's RECV actions from it, in order, not yet posted
         for a in schedule.actions[self.rank]:
-            if a.op.startswith("RECV"):
+            if a.op in (Op.RECV_F, Op.RECV_B):
                 self.to_post.setdefault(a.peer, deque()).append(a)
         self.posted: dict[Action, tuple] = {}  # RECV action -> (buffer, work) of its irecv
         for peer in self.to_post:
             self._post_next(peer)
 
-    def F(self, a: Action) -> None:
+    def run(self, a: Action) -> None:
+        """Execute one action (the communication is in `send` and `recv`)."""
+        match a.op:
+            case Op.F:
+                self.forward(a)
+            case Op.B:
+                self.backward(a)
+            case Op.SEND_F | Op.SEND_B:
+                self.send(a)
+            case Op.RECV_F | Op.RECV_B:
+                self.recv(a)
+
+    def forward(self, a: Action) -> None:
         last = a.stage == self.schedule.num_stages - 1
-        x = self.microbatches[a.microbatch] if a.stage == 0 else self.inbox.pop(("F", a.stage, a.microbatch))
+        x = self.microbatches[a.microbatch] if a.stage == 0 else self.inbox.pop((Op.F, a.stage, a.microbatch))
         y = self.stages[a.stage](x)
         if last:
             y = self.loss_fn(y, self.targets[a.microbatch]) / self.schedule.num_microbatches
@@ -91,47 +104,46 @@ class _Runner:
         self.stored[(a.stage, a.microbatch)] = (x, y)
         self.peak = max(self.peak, len(self.stored))
         if not last:
-            self._hand_on("F", a.stage + 1, a.microbatch, y.detach())
+            self._hand_on(Op.F, a.stage + 1, a.microbatch, y.detach())
 
-    def B(self, a: Action) -> None:
+    def backward(self, a: Action) -> None:
         x, y = self.stored.pop((a.stage, a.microbatch))
-        grad = None if a.stage == self.schedule.num_stages - 1 else self.inbox.pop(("B", a.stage, a.microbatch))
+        grad = None if a.stage == self.schedule.num_stages - 1 else self.inbox.pop((Op.B, a.stage, a.microbatch))
         with self._synchronised_if(a.microbatch == self.last_backward[a.stage]):
             torch.autograd.backward(y, grad)
         if a.stage > 0:
-            self._hand_on("B", a.stage - 1, a.microbatch, x.grad)
+            self._hand_on(Op.B, a.stage - 1, a.microbatch, x.grad)
 
     def _synchronised_if(self, last: bool):
         """The replica's gradient hooks fire only in a stage's last backward of the step."""
         return self.replica.no_sync() if self.replica is not None and not last else contextlib.nullcontext()
 
-    def _hand_on(self, op: str, stage: int, i: int, tensor: torch.Tensor) -> None:
+    def _hand_on(self, op: Op, stage: int, i: int, tensor: torch.Tensor) -> None:
         """Keep a result for `stage`: in this rank's inbox if it runs there, else to send."""
         if self.schedule.rank_of(stage) == self.rank:
-            self.inbox[(op, stage, i)] = tensor.requires_grad_() if op == "F" else tensor
+            self.inbox[(op, stage, i)] = tensor.requires_grad_() if op is Op.F else tensor
         else:
             self.outbox[(op, stage, i)] = tensor.contiguous()
 
-    def SEND(self, a: Action) -> None:
+    def send(self, a: Action) -> None:
         """isend one activation (F) or gradient (B) of one micro-batch to rank a.peer of the group."""
-        op, to = a.op[5:], a.stage + (1 if a.op == "SEND_F" else -1)
-        tensor = self.outbox.pop((op, to, a.microbatch))
+        tensor = self.outbox.pop((a.op.compute, a.stage + a.op.step, a.microbatch))
         self.sends.append((dist.isend(tensor, group=self.group, group_dst=a.peer), tensor))
 
-    def RECV(self, a: Action) -> None:
+    def recv(self, a: Action) -> None:
         """Wait for one activation (F) or gradient (B) of one micro-batch from rank a.peer of
         the group, received by the irecv posted for it, and post the next one from that peer."""
         buffer, work = self.posted.pop(a)
         work.wait()
         self._post_next(a.peer)
-        self.inbox[(a.op[5:], a.stage, a.microbatch)] = buffer.requires_grad_() if a.op == "RECV_F" else buffer
+        self.inbox[(a.op.compute, a.stage, a.microbatch)] = buffer.requires_grad_() if a.op is Op.RECV_F else buffer
 
     def _post_next(self, peer: int) -> None:
         """irecv, into a fresh buffer, the next message this rank's actions take from `peer`:
         one receive in flight per peer, so that it arrives while this rank computes."""
         if self.to_post[peer]:
             a = self.to_post[peer].popleft()
-            shape, dtype = self.shapes[a.stage if a.op == "RECV_F" else a.stage + 1]
+            shape, dtype = self.shapes[a.stage if a.op is Op.RECV_F else a.stage + 1]
             buffer = torch.empty(shape, dtype=dtype, device=device())
             self.posted[a] = (buffer, dist.irecv(buffer, group=self.group, group_src=a.peer))
 
@@ -148,7 +160,7 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], microbatches,
     events = []
     for a in schedule.actions[runner.rank]:
         start = time.perf_counter()
-        getattr(runner, a.op[:4] if a.op[0] in "SR" else a.op)(a)
+        runner.run(a)
         if timed:
             torch.cuda.synchronize()
         events.append(Event(runner.rank, a, start, time.perf_counter()))

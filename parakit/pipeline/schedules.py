@@ -1,7 +1,7 @@
 """Pipeline schedules as data: for each rank, the ordered list of actions it runs.
 
-An action is the forward (F) or backward (B) of micro-batch i on stage s, or the send or
-receive that moves an activation forward (SEND_F/RECV_F) or its gradient back
+An action (actions.py) is the forward (F) or backward (B) of micro-batch i on stage s, or
+the send or receive that moves an activation forward (SEND_F/RECV_F) or its gradient back
 (SEND_B/RECV_B). Stage s lives on rank s % p; with v chunks per rank (interleaved 1F1B)
 rank r holds stages r, r + p, ..., r + (v-1)p. The builders below only order each rank's
 F and B; `with_communication` then places a send right after every compute whose result
@@ -11,20 +11,11 @@ peer's messages in the order that peer sends them (as NCCL's point-to-point call
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
-__all__ = ["Action", "Schedule", "gpipe", "one_f_one_b", "interleaved_1f1b", "build_schedule", "SCHEDULES"]
+from parakit.pipeline.actions import Action, Op
+from parakit.pipeline.simulate import format_grid
 
-
-class Action(NamedTuple):
-    op: str  # "F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-    stage: int  # the stage that computes, sends, or receives
-    microbatch: int
-    peer: int | None = None  # the other rank (in the pipeline group) of a send or receive
-
-    def __str__(self) -> str:
-        arrow = "" if self.peer is None else (f"\u2192{self.peer}" if self.op.startswith("SEND") else f"\u2190{self.peer}")
-        return f"{self.stage}{self.op}{self.microbatch}{arrow}"
+__all__ = ["Schedule", "gpipe", "one_f_one_b", "interleaved_1f1b", "build_schedule", "SCHEDULES"]
 
 
 @dataclass(frozen=True)
@@ -44,10 +35,9 @@ class Schedule:
 
     def compute(self, rank: int) -> list[Action]:
         """The rank's F and B actions, without the communication."""
-        return [a for a in self.actions[rank] if a.op in ("F", "B")]
+        return [a for a in self.actions[rank] if a.op.is_compute]
 
     def __str__(self) -> str:
-        from parakit.pipeline.simulate import format_grid
         return format_grid(self)
 
 
@@ -60,7 +50,7 @@ def _check_sizes(p: int, m: int, v: int = 1) -> None:
 def gpipe(p: int, m: int) -> Schedule:
     """GPipe: every rank runs the forwards of all m micro-batches, then their backwards."""
     _check_sizes(p, m)
-    orders = [[Action("F", r, i) for i in range(m)] + [Action("B", r, i) for i in range(m)] for r in range(p)]
+    orders = [[Action(Op.F, r, i) for i in range(m)] + [Action(Op.B, r, i) for i in range(m)] for r in range(p)]
     return with_communication("gpipe", orders, p, m, 1)
 
 
@@ -75,10 +65,10 @@ def one_f_one_b(p: int, m: int) -> Schedule:
     orders = []
     for r in range(p):
         warmup = p - 1 - r
-        order = [Action("F", r, i) for i in range(warmup)]
+        order = [Action(Op.F, r, i) for i in range(warmup)]
         for i in range(m - warmup):
-            order += [Action("F", r, warmup + i), Action("B", r, i)]
-        orders.append(order + [Action("B", r, i) for i in range(m - warmup, m)])
+            order += [Action(Op.F, r, warmup + i), Action(Op.B, r, i)]
+        orders.append(order + [Action(Op.B, r, i) for i in range(m - warmup, m)])
     return with_communication("1f1b", orders, p, m, 1)
 
 
@@ -99,10 +89,10 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
             chunk = within // p
             return (v - 1 - chunk if backward else chunk) * p + r, group * p + within % p
         total, warmup = m * v, min(2 * (p - 1 - r) + (v - 1) * p, m * v)
-        order = [Action("F", *unit(k, False)) for k in range(warmup)]
+        order = [Action(Op.F, *unit(k, False)) for k in range(warmup)]
         for k in range(total - warmup):
-            order += [Action("F", *unit(warmup + k, False)), Action("B", *unit(k, True))]
-        orders.append(order + [Action("B", *unit(k, True)) for k in range(total - warmup, total)])
+            order += [Action(Op.F, *unit(warmup + k, False)), Action(Op.B, *unit(k, True))]
+        orders.append(order + [Action(Op.B, *unit(k, True)) for k in range(total - warmup, total)])
     return with_communication("interleaved", orders, p, m, v)
 
 
@@ -129,9 +119,9 @@ def with_communication(name: str, orders: list[list[Action]], p: int, m: int, v:
         actions = []
         for a in order:
             actions.append(a)
-            nxt = a.stage + 1 if a.op == "F" else a.stage - 1
+            nxt = a.stage + a.op.step
             if 0 <= nxt < stages and nxt % p != r:
-                send = Action("SEND_" + a.op, a.stage, a.microbatch, nxt % p)
+                send = Action(a.op.send, a.stage, a.microbatch, nxt % p)
                 actions.append(send)
                 sent.setdefault((r, nxt % p), []).append(send)
         with_sends.append(actions)
@@ -145,15 +135,14 @@ def _with_receives(rank: int, actions: list[Action], sent: dict, p: int, stages:
     taken = {src: 0 for (src, dst) in sent if dst == rank}
     out = []
     for a in actions:
-        prev = a.stage - 1 if a.op == "F" else a.stage + 1
-        if a.op in ("F", "B") and 0 <= prev < stages and prev % p != rank:
-            src, needed = prev % p, Action("SEND_" + a.op, prev, a.microbatch, rank)
+        prev = a.stage - a.op.step
+        if a.op.is_compute and 0 <= prev < stages and prev % p != rank:
+            src, needed = prev % p, Action(a.op.send, prev, a.microbatch, rank)
             queue = sent[(src, rank)]
             while True:
                 message = queue[taken[src]]
                 taken[src] += 1
-                step = 1 if message.op == "SEND_F" else -1
-                out.append(Action("RECV_" + message.op[5:], message.stage + step, message.microbatch, src))
+                out.append(Action(message.op.recv, message.stage + message.op.step, message.microbatch, src))
                 if message == needed:
                     break
         out.append(a)

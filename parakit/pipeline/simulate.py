@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Mapping, NamedTuple
 
-from parakit.pipeline.schedules import Action, Schedule
+from parakit.pipeline.actions import Action, Op
 
 __all__ = ["Event", "Timeline", "simulate", "check_schedule", "format_grid", "bubble_formula", "ScheduleError"]
 
@@ -39,7 +39,7 @@ class Timeline:
 
     @property
     def compute(self) -> list[Event]:
-        return [e for e in self.events if e.action.op in ("F", "B")]
+        return [e for e in self.events if e.action.op.is_compute]
 
     @property
     def start(self):
@@ -72,9 +72,9 @@ class Timeline:
         return sum(times) / len(times)
 
 
-def simulate(schedule: Schedule, times: Mapping[str, object] | Callable[[Action], object] | None = None) -> Timeline:
-    """Run `schedule` on paper. `times` maps an op ("F", "B", "SEND_F", ...) to its
-    duration (default F = B = 1, communication 0; use ints or Fractions for exact results),
+def simulate(schedule, times: Mapping[str, object] | Callable[[Action], object] | None = None) -> Timeline:
+    """Run `schedule` (a `Schedule`) on paper. `times` maps an op ("F", "B", "SEND_F", ...)
+    to its duration (default F = B = 1, communication 0; use ints or Fractions for exact results),
     or maps each F and B action to its own duration (`Timeline.action_times`), or is a
     function of the action. Raises ScheduleError if the schedule cannot run."""
     if callable(times):
@@ -114,19 +114,19 @@ def simulate(schedule: Schedule, times: Mapping[str, object] | Callable[[Action]
 def _start_time(schedule, r, a, now, channels, ready):
     """When `a` can start on rank r, or None while it must wait for a message."""
     S = schedule.num_stages
-    if a.op.startswith("RECV"):
+    if a.op in (Op.RECV_F, Op.RECV_B):
         queue = channels.get((a.peer, r))
         if not queue:
             return None
         message, sent_at = queue[0]
-        expected = (a.op[5:], a.stage - 1 if a.op == "RECV_F" else a.stage + 1, a.microbatch)
+        expected = (a.op.compute, a.stage - a.op.step, a.microbatch)
         if message != expected:
             raise ScheduleError(f"rank {r} runs {a} but the next message from rank {a.peer} is "
                                 f"{message[1]}SEND_{message[0]}{message[2]}: receives out of order")
         return max(now, sent_at)
-    needs = {"F": ("F", a.stage, a.microbatch) if a.stage > 0 else None,
-             "B": ("B", a.stage, a.microbatch) if a.stage < S - 1 else None}.get(a.op)
-    if a.op == "B" and ("F done", a.stage, a.microbatch) not in ready:
+    needs = {Op.F: (Op.F, a.stage, a.microbatch) if a.stage > 0 else None,
+             Op.B: (Op.B, a.stage, a.microbatch) if a.stage < S - 1 else None}.get(a.op)
+    if a.op is Op.B and ("F done", a.stage, a.microbatch) not in ready:
         raise ScheduleError(f"rank {r} runs {a} before its forward {a.stage}F{a.microbatch}")
     if needs is not None and needs not in ready:
         raise ScheduleError(f"rank {r} runs {a} before its input arrives (no receive or local result before it)")
@@ -136,23 +136,23 @@ def _start_time(schedule, r, a, now, channels, ready):
 def _apply(schedule, r, a, end, channels, ready, stored):
     """The effect of `a` on rank r: results, messages, stored activations."""
     p, S = schedule.num_ranks, schedule.num_stages
-    if a.op.startswith("RECV"):
+    if a.op in (Op.RECV_F, Op.RECV_B):
         channels[(a.peer, r)].popleft()
-        ready[r].add((a.op[5:], a.stage, a.microbatch))
-    elif a.op.startswith("SEND"):
-        channels.setdefault((r, a.peer), deque()).append(((a.op[5:], a.stage, a.microbatch), end))
+        ready[r].add((a.op.compute, a.stage, a.microbatch))
+    elif a.op in (Op.SEND_F, Op.SEND_B):
+        channels.setdefault((r, a.peer), deque()).append(((a.op.compute, a.stage, a.microbatch), end))
     else:
-        nxt = a.stage + 1 if a.op == "F" else a.stage - 1
-        if a.op == "F":
+        nxt = a.stage + a.op.step
+        if a.op is Op.F:
             ready[r].add(("F done", a.stage, a.microbatch))
         if 0 <= nxt < S and nxt % p == r:  # the next stage is on this rank: no message
             ready[r].add((a.op, nxt, a.microbatch))
-        stored[r] += 1 if a.op == "F" else -1
+        stored[r] += a.op.step
 
 
 def _check_complete(schedule, events, channels) -> None:
-    done = sorted((e.action.op, e.action.stage, e.action.microbatch) for e in events if e.action.op in ("F", "B"))
-    want = sorted((op, s, i) for op in ("F", "B") for s in range(schedule.num_stages)
+    done = sorted((str(e.action.op), e.action.stage, e.action.microbatch) for e in events if e.action.op.is_compute)
+    want = sorted((str(op), s, i) for op in (Op.F, Op.B) for s in range(schedule.num_stages)
                   for i in range(schedule.num_microbatches))
     if done != want:
         raise ScheduleError(f"schedule {schedule.name!r} must run F and B of every stage and micro-batch once: "
@@ -162,19 +162,19 @@ def _check_complete(schedule, events, channels) -> None:
         raise ScheduleError(f"schedule {schedule.name!r} sends messages nobody receives on {', '.join(left)}")
 
 
-def check_schedule(schedule: Schedule) -> Schedule:
+def check_schedule(schedule):
     """Raise ScheduleError unless the schedule runs to the end (no deadlock); return it."""
     simulate(schedule)
     return schedule
 
 
-def format_grid(schedule: Schedule) -> str:
+def format_grid(schedule) -> str:
     """The schedule as a time-step by rank grid (F = B = 1 time step; '.' is idle)."""
     timeline = simulate(schedule)
     steps = int(timeline.makespan)
     grid = [["."] * schedule.num_ranks for _ in range(steps)]
     for e in timeline.events:
-        if e.action.op in ("F", "B"):
+        if e.action.op.is_compute:
             grid[int(e.start)][e.rank] = f"{e.action.stage}{e.action.op}{e.action.microbatch}"
     width = max(6, *(len(c) + 1 for row in grid for c in row))
     header = "step " + "".join(f"rank {r}".ljust(width + 1) for r in range(schedule.num_ranks))

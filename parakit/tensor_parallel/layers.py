@@ -25,7 +25,7 @@ from parakit.tensor_parallel.mappings import (copy_to_region, gather_from_region
                                               reduce_from_region, reduce_scatter_to_sequence_region, scatter_to_region)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention",
-           "ParallelTransformerBlock", "tp_size_rank"]
+           "ParallelTransformerBlock", "tp_size_rank", "check_divisible"]
 
 
 def tp_size_rank(group=None) -> tuple[int, int]:
@@ -33,7 +33,8 @@ def tp_size_rank(group=None) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _divisible(layer: str, name: str, value: int, t: int) -> None:
+def check_divisible(layer: str, name: str, value: int, t: int) -> None:
+    """Raise a ValueError naming `layer` and `name` unless t ranks split `value` evenly."""
     if value % t:
         raise ValueError(f"{layer}: {name}={value} is not divisible by the tensor-parallel size {t}: "
                          f"make {name} a multiple of {t} or use a tensor-parallel size that divides {value}")
@@ -68,7 +69,7 @@ class ColumnParallelLinear(nn.Module):
                  group=None, sequence_parallel: bool = False):
         super().__init__()
         t, rank = tp_size_rank(group)
-        _divisible("ColumnParallelLinear", "out_features", out_features, t)
+        check_divisible("ColumnParallelLinear", "out_features", out_features, t)
         self.in_features, self.out_features, self.group = in_features, out_features, group
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.weight, self.bias = _dense_slice(nn.Linear(in_features, out_features, bias=bias), 0, t, rank)
@@ -99,7 +100,7 @@ class RowParallelLinear(nn.Module):
                  group=None, sequence_parallel: bool = False):
         super().__init__()
         t, rank = tp_size_rank(group)
-        _divisible("RowParallelLinear", "in_features", in_features, t)
+        check_divisible("RowParallelLinear", "in_features", in_features, t)
         self.in_features, self.out_features, self.group = in_features, out_features, group
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.weight, self.bias = _dense_slice(nn.Linear(in_features, out_features, bias=bias), 1, t, rank)
@@ -153,7 +154,7 @@ class ParallelSelfAttention(nn.Module):
         if hidden % heads:
             raise ValueError(f"ParallelSelfAttention: hidden={hidden} is not divisible by heads={heads}: "
                              f"make hidden a multiple of heads")
-        _divisible("ParallelSelfAttention", "heads", heads, t)
+        check_divisible("ParallelSelfAttention", "heads", heads, t)
         if dropout and rng is None:
             raise ValueError(f"ParallelSelfAttention: dropout={dropout} inside a tensor-parallel region needs "
                              f"rng=RNGTracker(seed, group), so that each rank draws its own mask")

@@ -4,13 +4,16 @@
     g  reduce_from_region  forward: all-reduce           backward: identity
        scatter_to_region   forward: keep my last-dim chunk  backward: all-gather
        gather_from_region  forward: all-gather (last dim)   backward: keep my chunk
+       all_reduce_region   forward: all-reduce           backward: all-reduce
 
        gather_from_sequence_region   forward: all-gather (seq)   backward: reduce-scatter
        reduce_scatter_to_sequence_region  forward: reduce-scatter (seq)  backward: all-gather
 
 f and g are conjugate: where one communicates in forward, the other communicates in
-backward. A column-parallel layer starts with f, a row-parallel layer ends with g, so a
-column layer followed by a row layer costs one all-reduce forward and one backward.
+backward. all_reduce_region is its own conjugate: each rank's result depends on every
+rank's input (a layer norm's statistics over features split across ranks). A
+column-parallel layer starts with f, a row-parallel layer ends with g, so a column layer
+followed by a row layer costs one all-reduce forward and one backward.
 `group` is the tensor-parallel process group (None: the world). On a group of one rank
 every operator is the identity and sends nothing. The sequence-parallel pair replaces f and
 g when the regions between blocks (layer norm, dropout) hold a slice of the sequence
@@ -23,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["copy_to_region", "reduce_from_region", "scatter_to_region", "gather_from_region",
-           "gather_from_sequence_region", "reduce_scatter_to_sequence_region",
-           "CopyToRegion", "ReduceFromRegion", "ScatterToRegion", "GatherFromRegion",
+           "all_reduce_region", "gather_from_sequence_region", "reduce_scatter_to_sequence_region",
+           "CopyToRegion", "ReduceFromRegion", "ScatterToRegion", "GatherFromRegion", "AllReduceRegion",
            "GatherFromSequenceRegion", "ReduceScatterToSequenceRegion"]
 
 
@@ -136,6 +139,19 @@ class GatherFromRegion(torch.autograd.Function):
         return _split_last(grad, ctx.group), None
 
 
+class AllReduceRegion(torch.autograd.Function):
+    """Sum over the group both ways: every rank's output feeds on every rank's input."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # each rank's dL/dsum reaches every addend: sum them
+        return _all_reduce(grad, ctx.group), None
+
+
 class GatherFromSequenceRegion(torch.autograd.Function):
     """Sequence parallel's f: enter a region from a sequence slice."""
 
@@ -182,6 +198,11 @@ def gather_from_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """[..., d/t] -> [..., d]. Forward all-gathers x (each rank sends x.nbytes to the t-1
     others); backward sends nothing."""
     return GatherFromRegion.apply(x, group)
+
+
+def all_reduce_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Forward all-reduces x, backward all-reduces dL/dx (2(t-1)/t * x.nbytes per rank each way)."""
+    return AllReduceRegion.apply(x, group)
 
 
 def gather_from_sequence_region(x: torch.Tensor, group=None) -> torch.Tensor:

@@ -13,7 +13,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from parakit.launcher import device
+from parakit.devices import device
 
 __all__ = ["RNGTracker"]
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parakit.tensor_parallel.layers import _divisible, tp_size_rank
+from parakit.tensor_parallel.layers import check_divisible, tp_size_rank
 from parakit.tensor_parallel.mappings import reduce_from_region
 
 __all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
@@ -28,7 +28,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, group=None):
         super().__init__()
         t, rank = tp_size_rank(group)
-        _divisible("VocabParallelEmbedding", "num_embeddings", num_embeddings, t)
+        check_divisible("VocabParallelEmbedding", "num_embeddings", num_embeddings, t)
         self.num_embeddings, self.group = num_embeddings, group
         self.start = rank * (num_embeddings // t)
         self.weight = nn.Parameter(nn.Embedding(num_embeddings, embedding_dim).weight.detach().chunk(t, 0)[rank].clone())

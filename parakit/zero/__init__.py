@@ -28,10 +28,18 @@ of its parameters are all there, they are reduce-scattered (fp32, averaged) into
 shard's `.grad`. Step per unit: all-gather, all-gather, reduce-scatter: 3 Psi. Frozen
 parameters are not sharded: each rank keeps them whole (in `compute_dtype`). The optimizer must work element
 by element (SGD, Adam, AdamW: a flat shard mixes parameters), as for torch's FSDP1.
+
+    optimizer.py  ShardedOptimizer (stages 1 and 2)     fsdp.py     FullyShardedDataParallel
+    paper.py      the paper's bytes per rank (formulas)  held.py     bytes a rank holds, and their peak
+    profile.py    one stage trained and measured
 """
 from parakit.zero.fsdp import FullyShardedDataParallel
-from parakit.zero.memory import MemoryMeter, held_bytes, profile_stage, zero_bytes, zero_comm_bytes
+from parakit.zero.held import HeldBytesPeak, held_bytes
 from parakit.zero.optimizer import ShardedOptimizer, partition_parameters
+from parakit.zero.paper import zero_bytes, zero_comm_bytes
+from parakit.zero.profile import profile_stage
+
+MemoryMeter = HeldBytesPeak  # the name lesson 03 and bench_zero.py use; HeldBytesPeak is the class's own
 
 __all__ = ["ShardedOptimizer", "FullyShardedDataParallel", "partition_parameters", "zero_bytes",
-           "zero_comm_bytes", "held_bytes", "MemoryMeter", "profile_stage"]
+           "zero_comm_bytes", "held_bytes", "HeldBytesPeak", "MemoryMeter", "profile_stage"]

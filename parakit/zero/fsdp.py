@@ -5,6 +5,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parakit.groups import broadcast_from_first
+
 __all__ = ["FullyShardedDataParallel"]
 
 
@@ -77,7 +79,7 @@ class FullyShardedDataParallel(nn.Module):
                             f"torch.float16 (or None to compute in the parameters' dtype), got {compute_dtype!r}")
         self.module, self.group, self.compute_dtype = module, group, compute_dtype
         self.world_size = dist.get_world_size(group)
-        _broadcast_from_first([*module.parameters(), *module.buffers()], group)
+        broadcast_from_first([*module.parameters(), *module.buffers()], group)
         self.names = {}  # original name -> (unit index, parameter index), or None where frozen
         self.units = self._build_units([module, *units])
         self.shards = nn.ParameterList([u.shard for u in self.units])
@@ -185,14 +187,6 @@ class FullyShardedDataParallel(nn.Module):
         params = [*self.parameters(), *(u.full for u in self.units)]
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         return {"parameters": params, "gradients": grads + list(self._pending[1:3] if self._pending else [])}
-
-
-def _broadcast_from_first(tensors: list[torch.Tensor], group) -> None:
-    """Rank 0 of the group sends every tensor to all others (each tensor's bytes, along a chain)."""
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    with torch.no_grad():
-        for t in tensors:
-            dist.broadcast(t, src, group=group)
 
 
 def _cast_floating(tree, dtype):

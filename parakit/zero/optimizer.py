@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parakit.groups import global_rank
+
 __all__ = ["ShardedOptimizer", "partition_parameters"]
 
 
@@ -54,9 +56,6 @@ class ShardedOptimizer:
     def _owner_of(self, param: torch.Tensor) -> int:
         return self.owners[self._index[id(param)]]
 
-    def _global(self, rank: int) -> int:
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
-
     @property
     def state(self):
         """The optimizer state this rank holds: its own parameters' only."""
@@ -68,7 +67,7 @@ class ShardedOptimizer:
         the other ranks drop their copy at stage 2."""
         owner = self._owner_of(param)
         param.grad.div_(self.world_size)
-        dist.reduce(param.grad, self._global(owner), group=self.group)
+        dist.reduce(param.grad, global_rank(self.group, owner), group=self.group)
         if owner != self.rank and self.stage == 2:
             param.grad = None
 
@@ -84,7 +83,7 @@ class ShardedOptimizer:
             local.update({k: v for k, v in full.items() if k != "params"})
         loss = self.optimizer.step(closure)
         for p, owner in zip(self.params, self.owners):
-            dist.broadcast(p, self._global(owner), group=self.group)
+            dist.broadcast(p, global_rank(self.group, owner), group=self.group)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,10 +1,13 @@
-"""Devices for DataParallel, and the memory each one holds.
+"""Devices: the one this rank computes on, the backend rule, and the memory each device holds.
 
-Devices are CUDA GPUs where there are enough of them. On CPU they are *logical*:
-`torch.device("cpu", i)` for i = 0..k-1, all backed by the CPU; which logical device a
-tensor lives on is known to the `MemoryMeter` measuring, which counts every storage on
-the device it was made on (see MemoryMeter). Without a meter, CPU tensors live on the
-host, and copies between logical devices are plain copies.
+`device()` and `select_backend` are the rule every technique and the launcher follow: NCCL
+with one GPU per rank where there are enough GPUs, else gloo on the CPU.
+
+For DataParallel, devices are CUDA GPUs where there are enough of them. On CPU they are
+*logical*: `torch.device("cpu", i)` for i = 0..k-1, all backed by the CPU; which logical
+device a tensor lives on is known to the `MemoryMeter` measuring, which counts every
+storage on the device it was made on (see MemoryMeter). Without a meter, CPU tensors live
+on the host, and copies between logical devices are plain copies.
 """
 from __future__ import annotations
 
@@ -14,10 +17,45 @@ import weakref
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+__all__ = ["device", "resolve_backend", "select_backend", "resolve_devices", "MemoryMeter", "on_device", "where",
+           "to_device", "copying_to", "current_meter"]
+
 _local = threading.local()  # per thread: .meter (the MemoryMeter measuring), .target (a copy's device)
+
+
+def device() -> torch.device:
+    """The device this rank computes on: its GPU when the process group runs NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def resolve_backend(backend: str, world_size: int) -> str:
+    """'auto' is NCCL when there is one GPU per rank (and NCCL is built in), else gloo."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return select_backend(backend, world_size, gpus, dist.is_nccl_available())
+
+
+def select_backend(backend: str, world_size: int, gpus: int, nccl_built: bool) -> str:
+    """`resolve_backend`'s rule, given the visible GPUs and whether torch has NCCL."""
+    choice = str(backend).lower()
+    if choice == "auto":
+        return "nccl" if nccl_built and gpus >= world_size else "gloo"
+    if choice == "gloo":
+        return "gloo"
+    if choice == "nccl":
+        if not nccl_built:
+            raise ValueError("backend 'nccl' needs one GPU per rank and a CUDA build of torch, but this build of "
+                             "torch has no NCCL; use backend='gloo' (or 'auto', which picks gloo here)")
+        if gpus < world_size:
+            raise ValueError(f"backend 'nccl' needs one GPU per rank: world_size={world_size} but {gpus} GPU(s) "
+                             f"are visible; use backend='gloo' (or 'auto', which picks gloo here)")
+        return "nccl"
+    raise ValueError(f"backend {backend!r} is not supported: use 'auto', 'gloo' or 'nccl'")
 
 
 def resolve_devices(device_ids: Sequence[int | torch.device] | None) -> list[torch.device]:
