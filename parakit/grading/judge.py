@@ -455,7 +455,12 @@ class Judge:
                          f"out of memory); its tests score 0")
             if not student:
                 break
-        return [c for i, c in enumerate(cells) if i not in skipped], notes
+        kept = [c for i, c in enumerate(cells) if i not in skipped]
+        for note in run.notes[0]:
+            index, _, error = note.removeprefix("cell ").partition(" error ")
+            if error and kept[int(index)][2]:
+                notes.append(f"{kept[int(index)][0].strip('<>').removeprefix('answer ')}: the answer cell raised {error}")
+        return kept, notes
 
     def grade(self, submission) -> tuple[list[Verdict], list[str]]:
         """Every test of the solution, judged on the submission's answer cells."""
@@ -464,6 +469,7 @@ class Judge:
                    if c.cell_type == "code" and meta(c).get("grade_id") in self.answers}
         cells, setup = self._layout(answers)
         cells, notes = self.prelude(cells)
+        notes += [line for gid, source in answers.items() for line in self.definitions(gid, source)]
         namespace = {"__name__": "__main__", "__builtins__": builtins}
         for name in self.answer_names:
             namespace[name] = StudentName((name,))
@@ -489,6 +495,22 @@ class Judge:
         notes += self.copies(answers, sealed.references)
         return verdicts, notes
 
+    def definitions(self, gid: str, source: str) -> list[str]:
+        """Report lines for what the solution's answer cell defines that this one does not,
+        or defines with other parameters."""
+        mine = {d.name: d for d in parse(source).body if isinstance(d, (ast.FunctionDef, ast.ClassDef))}
+        lines = []
+        for want in parse(self.answers[gid].source).body:
+            if not isinstance(want, (ast.FunctionDef, ast.ClassDef)):
+                continue
+            got = mine.get(want.name)
+            expected = f"{'class' if isinstance(want, ast.ClassDef) else 'def'} {want.name}{_signature(want)}"
+            if got is None:
+                lines.append(f"{gid}: the answer cell does not define {want.name} (expected {expected})")
+            elif isinstance(want, ast.FunctionDef) and _signature(got) != _signature(want):
+                lines.append(f"{gid}: {want.name} is defined as {want.name}{_signature(got)}; expected {expected}")
+        return lines
+
     def copies(self, answers: dict[str, str], references) -> list[str]:
         """Report lines for answers whose syntax tree is close to the reference's."""
         import inspect
@@ -507,6 +529,16 @@ class Judge:
             if best >= 0.8:
                 lines.append(f"{gid}: close to the reference's code (similarity {best:.2f}): copied? (reported, not scored)")
         return lines
+
+
+def _signature(node) -> str:
+    """`(a, b=...)` of a def: the names of its parameters, in order ("" for a class)."""
+    if not isinstance(node, ast.FunctionDef):
+        return ""
+    a = node.args
+    names = [x.arg for x in a.posonlyargs + a.args] + ([f"*{a.vararg.arg}"] if a.vararg else []) \
+        + [x.arg for x in a.kwonlyargs] + ([f"**{a.kwarg.arg}"] if a.kwarg else [])
+    return f"({', '.join(names)})"
 
 
 def shape(source: str) -> list[str]:
