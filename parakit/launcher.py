@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from parakit import _worker
 
-__all__ = ["launch", "device", "shutdown", "LaunchError", "RankError", "RankDied", "CollectiveHang", "LaunchTimeout"]
+__all__ = ["launch", "device", "shutdown", "pool_generation", "LaunchError", "RankError", "RankDied", "CollectiveHang", "LaunchTimeout"]
 
 DEFAULT_TIMEOUT = 120.0
 HANG_GRACE = 1.5  # seconds every unfinished rank waits in a collective that cannot complete
@@ -156,6 +156,14 @@ def _pool(world_size: int, backend: str) -> "_Pool":
         pool = _POOLS[key] = _Pool(world_size, backend)
     _POOLS.move_to_end(key)
     return pool
+
+
+def pool_generation(world_size: int, backend: str) -> int | None:
+    """Which start of the live pool for `world_size` ranks and `backend` ("gloo" or "nccl")
+    this is, counting every pool started in this process, or None if none lives: a changed
+    number means new rank processes, so whatever earlier calls left on the ranks is gone."""
+    pool = _POOLS.get((world_size, backend))
+    return pool.generation if pool else None
 
 
 def _context():
