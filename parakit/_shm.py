@@ -6,8 +6,9 @@
 `dumps` pickles with cloudpickle (so functions and classes from a notebook cell travel by
 value), except the bytes of every CPU storage, the memory under tensors, parameters and
 models: each storage is written once into a file in /dev/shm named after the prefix, and the
-pickle only names the file, as `torch.save` names its storages. Tensors that share a storage
-(a view, tied weights) still share it after `loads`.
+pickle only names the file, as `torch.save` names its storages. Storages under 64 KiB travel
+inside the pickle instead (a file costs more than copying them). Tensors that share a
+storage (a view, tied weights) still share it after `loads`.
 
 `loads(shared=False)` maps each file copy-on-write (MAP_PRIVATE): every process that loads
 the same data reads the same pages, and a process that writes into a tensor gets private
@@ -33,6 +34,7 @@ import cloudpickle
 import torch
 
 DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+INLINE_BYTES = 64 * 1024  # smaller storages travel inside the pickle
 
 
 def dumps(obj, prefix: str) -> bytes:
@@ -87,23 +89,28 @@ class _Pickler(cloudpickle.Pickler):
     def __init__(self, file, prefix: str, write: bool):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.prefix, self.write = prefix, write
-        self.names: dict[int, str] = {}  # storage (its StorageImpl) -> file name
+        self.names: dict[int, tuple] = {}  # storage (its StorageImpl) -> (name, its bytes or their number)
 
     def persistent_id(self, obj):
-        """A CPU storage is pickled as (file name, bytes, dtype); anything else as usual."""
+        """A CPU storage is pickled as (name, its bytes or, for a file, their number, dtype);
+        anything else as usual."""
         if isinstance(obj, torch.storage.TypedStorage):
             storage, dtype = obj._untyped_storage, obj.dtype
         elif isinstance(obj, torch.UntypedStorage):
             storage, dtype = obj, None
         else:
             return None
-        if storage.device.type != "cpu" or storage.nbytes() == 0:
-            return None  # by value: GPU storages are copied as torch.save does; empty ones cannot be mapped
+        if storage.device.type != "cpu":
+            return None  # copied by value, as torch.save does
         if storage._cdata not in self.names:
-            self.names[storage._cdata] = name = f"{self.prefix}{len(self.names)}"
-            if self.write:
-                _write(storage, os.path.join(DIR, name))
-        return self.names[storage._cdata], storage.nbytes(), dtype
+            name = f"{self.prefix}{len(self.names)}"
+            if storage.nbytes() < INLINE_BYTES:
+                self.names[storage._cdata] = name, bytes(storage)
+            else:
+                self.names[storage._cdata] = name, storage.nbytes()
+                if self.write:
+                    _write(storage, os.path.join(DIR, name))
+        return *self.names[storage._cdata], dtype
 
 
 def _write(storage: torch.UntypedStorage, path: str) -> None:
@@ -119,9 +126,11 @@ class _Unpickler(pickle.Unpickler):
         self.storages: dict[str, torch.UntypedStorage] = {}
 
     def persistent_load(self, pid):
-        name, nbytes, dtype = pid
+        name, content, dtype = pid
         if name not in self.storages:
-            self.storages[name] = torch.UntypedStorage.from_file(os.path.join(DIR, name), self.shared, nbytes)
+            self.storages[name] = (torch.UntypedStorage.from_buffer(content, dtype=torch.uint8)
+                                   if isinstance(content, bytes)
+                                   else torch.UntypedStorage.from_file(os.path.join(DIR, name), self.shared, content))
         storage = self.storages[name]
         return storage if dtype is None else torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype,
                                                                          _internal=True)

@@ -115,7 +115,7 @@ MAIN_SCRIPT = """
         dist.all_reduce(t)
         return Box(2 * t)
 
-    boxes = parakit.launch(double_box, torch.full((1000,), 0.003, dtype=torch.float64), world_size=2)
+    boxes = parakit.launch(double_box, torch.full((100_000,), 0.00003, dtype=torch.float64), world_size=2)
     print("result", [round(b.v.item(), 6) for b in boxes], type(boxes[0]).__name__)
 """
 
@@ -163,13 +163,13 @@ def what_rank_got(x, model):
 
 
 def test_tensor_arguments_reach_every_rank_through_one_shared_file_each_storage():
-    base = torch.arange(40, dtype=torch.bfloat16).reshape(5, 8)
+    base = torch.randn(200, 200).to(torch.bfloat16)  # 80 000 bytes: over _shm.INLINE_BYTES
     x = base[1:4, ::2]  # a view: its storage travels whole, its strides stay
-    model = torch.nn.Sequential(torch.nn.Embedding(4, 3), torch.nn.Embedding(4, 3))
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 200), torch.nn.Embedding(100, 200))
     model[1].weight = model[0].weight  # tied weights stay tied
     results = parakit.launch(what_rank_got, x, model, world_size=2)
     for got, stride, weight, tied, requires_grad, mapped in results:
-        assert got.dtype == torch.bfloat16 and stride == (8, 2) and torch.equal(got, x)
+        assert got.dtype == torch.bfloat16 and stride == (200, 2) and torch.equal(got, x)
         assert torch.equal(weight, model[0].weight) and tied and requires_grad
         assert len(mapped) == 2 and all(name.startswith(f"parakit-{os.getpid()}-") for name in mapped)
         assert [name.rsplit("-", 1)[1] for name in mapped] == ["a0", "a1"]  # base's storage, the weight's
@@ -184,22 +184,30 @@ def write_own_rank(x):
     return x
 
 
-def test_rank_writing_into_its_argument_changes_neither_the_caller_nor_other_ranks():
-    x = torch.full((300_000,), 7.0)  # several pages
+@pytest.mark.parametrize("numel", [10, 300_000])  # inside the pickle; through a shared file
+def test_rank_writing_into_its_argument_changes_neither_the_caller_nor_other_ranks(numel):
+    x = torch.full((numel,), 7.0)
     results = parakit.launch(write_own_rank, x, world_size=4)
-    assert torch.equal(x, torch.full((300_000,), 7.0))
+    assert torch.equal(x, torch.full((numel,), 7.0))
     for rank, got in enumerate(results):
         assert got[0].item() == rank and torch.equal(got[1:], x[1:])
 
 
+def test_small_tensor_arguments_travel_inside_the_pickle_and_stay_tied():
+    model = torch.nn.Sequential(torch.nn.Embedding(4, 3), torch.nn.Embedding(4, 3))
+    model[1].weight = model[0].weight
+    for got, _, weight, tied, _, mapped in parakit.launch(what_rank_got, torch.ones(3), model, world_size=2):
+        assert torch.equal(weight, model[0].weight) and tied and mapped == []
+
+
 def test_tensor_results_come_back_through_shared_memory_that_the_caller_may_write():
     before = mapped_shared_files()
-    results = parakit.launch(lambda: torch.full((1000,), float(dist.get_rank())), world_size=2)
+    results = parakit.launch(lambda: torch.full((100_000,), float(dist.get_rank())), world_size=2)
     new = sorted(set(mapped_shared_files()) - set(before))
     assert [name.split("-", 3)[3] for name in new] == ["r0-0", "r1-0"]  # parakit-<pid>-<call>-r<rank>-<n>
     assert new[0].startswith(f"parakit-{os.getpid()}-")
     results[0] += 5  # writable in place
-    assert torch.equal(results[0], torch.full((1000,), 5.0)) and torch.equal(results[1], torch.ones(1000))
+    assert torch.equal(results[0], torch.full((100_000,), 5.0)) and torch.equal(results[1], torch.ones(100_000))
     del results
     assert mapped_shared_files() == before
 
@@ -675,7 +683,7 @@ def test_argument_that_cannot_be_pickled_is_named_with_its_type_before_any_rank_
     resource = make()
     assert launcher.pool_generation(5, "gloo") is None  # no test starts a pool of 5 ranks
     with pytest.raises(TypeError) as caught:
-        parakit.launch(hold, torch.ones(1000), resource, world_size=5)
+        parakit.launch(hold, torch.ones(100_000), resource, world_size=5)
     assert str(caught.value) == (f"cannot send argument 1 (resource) of 'hold', a {kind}, to the ranks: it "
                                  f"cannot be pickled ({cause}). Pass tensors and plain values; create locks, "
                                  f"files, sockets and streams inside the function.")
@@ -765,7 +773,7 @@ INTERRUPT_SCRIPT = """
     pids = parakit.launch(os.getpid, world_size=2)
     print("pids", *pids, flush=True)
     try:
-        parakit.launch(sleeper, torch.ones(1000), world_size=2)
+        parakit.launch(sleeper, torch.ones(100_000), world_size=2)
         print("not interrupted")
     except KeyboardInterrupt:
         print("interrupted", flush=True)
