@@ -15,11 +15,13 @@ the same data reads the same pages, and a process that writes into a tensor gets
 copies of the pages it writes, so neither the file nor the other processes see the change.
 `loads(shared=True)` maps them writable in place, for a process that is the only reader.
 The files are removed by `removed_after(prefix)` when the call that made them ends; a
-mapping keeps its pages after that, and frees them with the last tensor that uses them.
+mapping keeps its pages after that, and frees them with the last tensor that uses them (a
+rank that keeps an argument in a global or a %%ranks name keeps its pages until it drops it).
 
 Why not torch.multiprocessing's own reductions: they move the sender's storage into shared
-memory in place, keep a file descriptor open per storage in every process, and give every
-receiver the same writable pages, so a rank's in-place write would reach the caller.
+memory in place, keep a file descriptor open per storage in every process (Linux's default
+file_descriptor strategy), and give every receiver the same writable pages, so a rank's
+in-place write would reach the caller.
 """
 from __future__ import annotations
 
