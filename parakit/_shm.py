@@ -73,7 +73,7 @@ def remove_orphans() -> None:
     for path in glob.glob(os.path.join(DIR, "parakit-*-*")):
         pid = os.path.basename(path).split("-")[1]
         if pid.isdigit() and not _alive(int(pid)):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # gone already, or another user's
                 os.unlink(path)
 
 
