@@ -1,6 +1,7 @@
-"""How fast `parakit.launch` gets a function onto N ranks, against torch.multiprocessing.spawn.
+"""How fast `parakit.launch` gets a function and its tensors onto N ranks, against
+torch.multiprocessing.spawn and a plain memory copy.
 
-    .venv/bin/python benchmarks/bench_launcher.py [--calls 100] [--repeats 3]
+    .venv/bin/python benchmarks/bench_launcher.py [--calls 100] [--repeats 3] [--skip-1gb]
 
 Measured, each on the same function (one all_reduce of a 4-float tensor):
   - a call on the warm pool, world size 2 and 4: p50 and p95 over --calls calls;
@@ -9,6 +10,12 @@ Measured, each on the same function (one all_reduce of a 4-float tensor):
     (after `parakit.shutdown()`); the median of --repeats starts each;
   - `torch.multiprocessing.spawn` at world size 4, each process doing init_process_group on
     a free port itself: the median of --repeats runs, and its ratio to the warm call.
+Then the data path, at world size 4, the median of --repeats each:
+  - a 1 MB, 100 MB and 1 GB float32 argument (each rank reads its first and last element),
+    and a 100 MB result from each rank: `parakit.launch` on the warm pool, against
+    `torch.multiprocessing.spawn` passing the same tensor (processes started for the call;
+    a result comes back through a torch.multiprocessing queue), and against `clone()` of
+    the same bytes (one copy for an argument, one per rank's result).
 The bars are printed next to the figures with PASS or FAIL; nothing is asserted. The
 figures are also written to benchmarks/results/bench_launcher.json.
 """
@@ -49,6 +56,27 @@ def spawned(rank, world_size, port):
         one_all_reduce()
     finally:
         dist.destroy_process_group()
+
+
+def first_and_last(x):
+    """What each rank does with a tensor argument: reads one element at each end."""
+    return float(x[0] + x[-1])
+
+
+def spawned_argument(rank, x):
+    first_and_last(x)
+
+
+def full_of_rank(numel):
+    """Each rank's result: `numel` float32 values, all equal to its rank."""
+    return torch.full((numel,), float(dist.get_rank()))
+
+
+def spawned_result(rank, numel, queue, received):
+    """Send this rank's result, then stay until the caller has it: the caller takes the
+    tensor's shared memory from this process."""
+    queue.put(torch.full((numel,), float(rank)))
+    received.wait()
 
 
 def free_port() -> int:
@@ -116,6 +144,69 @@ def spawn_once(world_size):
     return time.perf_counter() - start
 
 
+def timed(run, repeats):
+    """The median of `repeats` timed runs of `run()` (seconds)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def spawn_with_argument(x, world_size):
+    """Seconds for mp.spawn to start `world_size` processes that each read `x`."""
+    start = time.perf_counter()
+    mp.spawn(spawned_argument, args=(x,), nprocs=world_size, join=True)
+    return time.perf_counter() - start
+
+
+def spawn_with_results(numel, world_size):
+    """The ranks' results through a torch.multiprocessing queue, as mp.spawn users do."""
+    context = mp.get_context("spawn")
+    queue, received = context.SimpleQueue(), context.Event()
+    ranks = mp.spawn(spawned_result, args=(numel, queue, received), nprocs=world_size, join=False)
+    results = [queue.get() for _ in range(world_size)]
+    received.set()
+    ranks.join()
+    return results
+
+
+def data_path(sizes, repeats, world_size=4):
+    """Rows (what, MB, launch s, spawn s, copy s): arguments of each size, then results.
+    spawn gets a fresh tensor each time: it moves its argument into shared memory, once."""
+    rows = []
+    for name, nbytes in sizes.items():
+        x = torch.randn(nbytes // 4)
+        parakit.launch(first_and_last, x, world_size=world_size)  # the pool is warm
+        launch = timed(lambda: parakit.launch(first_and_last, x, world_size=world_size), repeats)
+        spawn = statistics.median(spawn_with_argument(x.clone(), world_size) for _ in range(repeats))
+        copy = timed(x.clone, repeats)
+        rows.append((f"{name} argument to {world_size} ranks", nbytes, launch, spawn, copy))
+        del x
+    numel = 100 * 2**20 // 4
+    launch = timed(lambda: parakit.launch(full_of_rank, numel, world_size=world_size), repeats)
+    spawn = timed(lambda: spawn_with_results(numel, world_size), repeats)
+    results = parakit.launch(full_of_rank, numel, world_size=world_size)
+    copy = timed(lambda: [r.clone() for r in results], repeats)
+    rows.append((f"100 MB result from each of {world_size} ranks", world_size * 100 * 2**20, launch, spawn, copy))
+    return rows
+
+
+def print_data_path(rows):
+    print("\ntensors to and from the ranks, world size 4 (medians; spawn/launch: how many times faster "
+          "parakit.launch is;\nlaunch/clone: parakit.launch's time in copies of the same bytes)")
+    header = (f"{'what':<36} {'MB':>6} {'launch':>9} {'mp.spawn':>9} {'clone':>9} "
+              f"{'spawn/launch':>13} {'launch/clone':>13}")
+    print(header)
+    print("-" * len(header))
+    for what, nbytes, launch, spawn, copy in rows:
+        print(f"{what:<36} {nbytes / 2**20:6.0f} {launch:8.3f}s {spawn:8.3f}s {copy:8.3f}s "
+              f"{spawn / launch:11.0f} x {launch / copy:11.2f} x")
+    arg100 = next(launch for what, nbytes, launch, _, _ in rows if nbytes == 100 * 2**20)
+    print(f"bar: 100 MB argument to 4 ranks <= 0.2 s: {arg100:.3f} s {mark(arg100 <= 0.2)}")
+
+
 def mark(ok):
     return "PASS" if ok else "FAIL"
 
@@ -123,7 +214,8 @@ def mark(ok):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=100, help="warm calls timed per world size")
-    parser.add_argument("--repeats", type=int, default=3, help="cold starts and spawns timed (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="cold starts, spawns and data-path calls timed (median)")
+    parser.add_argument("--skip-1gb", action="store_true", help="leave out the 1 GB argument (about 4 GB of memory)")
     options = parser.parse_args()
 
     warm = {ws: warm_calls(ws, options.calls) for ws in (2, 4)}
@@ -156,6 +248,9 @@ def main():
     print("-" * (width + 30))
     for name, figure, bar, result in rows:
         print(f"{name:<{width}}  {figure:>11}  {bar:<9} {result}".rstrip())
+    sizes = {"1 MB": 2**20, "100 MB": 100 * 2**20} | ({} if options.skip_1gb else {"1 GB": 2**30})
+    data = data_path(sizes, options.repeats)
+    print_data_path(data)
 
     results = ROOT / "benchmarks" / "results"
     results.mkdir(parents=True, exist_ok=True)
@@ -164,6 +259,7 @@ def main():
         "warm_p50_s": p50, "warm_p95_s": p95, "cold_fresh_ready_s": fresh_ready,
         "cold_fresh_import_s": fresh_import, "cold_forkserver_warm_s": forkserver_warm,
         "spawn_s": spawn, "spawn_over_warm_p50": ratio,
+        "data_path": [dict(zip(("what", "bytes", "launch_s", "spawn_s", "clone_s"), row)) for row in data],
     }, indent=2))
 
 

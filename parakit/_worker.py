@@ -1,6 +1,7 @@
 """One rank of the launcher's pool. Runs in a process started by the forkserver, never in
 the caller. Its stdout and stderr are pipes the caller reads; its control connection
-carries tasks in and results and status reports out.
+carries tasks in and results and status reports out, pickled; the bytes of their CPU
+tensors travel through shared-memory files (`parakit._shm`), which the caller removes.
 
 Two threads: the main thread runs tasks one after the other; a listener thread reads the
 control connection, queues tasks, answers status questions at once (even while the main
@@ -23,11 +24,10 @@ import time
 import traceback
 from datetime import timedelta
 
-import cloudpickle
 import torch
 import torch.distributed as dist
 
-from parakit import comm
+from parakit import _shm, comm
 
 _THIS_FILE = __file__.removesuffix("c")
 # frames from these folders are left out of the stacks a rank reports: torch, multiprocessing, threading
@@ -66,17 +66,19 @@ def main(rank, world_size, backend, store_port, conn, out_w, err_w, timeout_s):
 
 def _run(rank, payload):
     """Run one task; returns ("ok", result bytes, comm calls) or ("error", text, comm calls)
-    (the caller also gets the messages sent to and received from each peer)."""
+    (the caller also gets the messages sent to and received from each peer). The arguments'
+    tensors are mapped copy-on-write: this rank's writes into them stay its own. The result's
+    tensors go to shared-memory files named after the task's prefix and this rank."""
     comm.TRACKER.reset()
     try:
-        cwd, path, sources, blob = payload
+        cwd, path, sources, prefix, blob = payload
         _sync_caller_context(cwd, path, sources)
-        fn, args = cloudpickle.loads(blob)
+        fn, args = _shm.loads(blob, shared=False)
         result = fn(*args)
     except BaseException as error:  # a student's code may raise anything, SystemExit too
         return ("error", _format_error(error), comm.TRACKER.seq)
     try:
-        return ("ok", cloudpickle.dumps(_to_cpu(result)), comm.TRACKER.seq)
+        return ("ok", _shm.dumps(_to_cpu(result), f"{prefix}r{rank}-"), comm.TRACKER.seq)
     except Exception as error:
         message = (f"rank {rank} returned a {type(result).__name__} that cannot be sent back "
                    f"({type(error).__name__}: {error}). Return tensors, numbers, strings or "

@@ -4,9 +4,14 @@
 
 The ranks are a warm pool of worker processes (started by a forkserver that has imported
 torch, never by forking the caller), each already in a process group (NCCL with one GPU per
-rank where there are enough GPUs, else gloo on CPU). The function and its arguments travel
-by value (cloudpickle), so functions and classes defined in a notebook cell work; results
-come back moved to the CPU. While the ranks run, their output is printed here, each line
+rank where there are enough GPUs, else gloo on CPU); the forkserver is torch.multiprocessing's.
+The function and its arguments travel by value (cloudpickle), so functions and classes
+defined in a notebook cell work, but the bytes of their CPU tensors travel through shared
+memory (`parakit._shm`): written once, mapped by every rank. Each rank's arguments are its
+own: a rank that writes into one in place gets a private copy of the pages it writes, and
+neither the caller nor the other ranks see the change. Results come back moved to the CPU,
+their tensors' bytes through shared memory too. The shared files are removed when the call
+ends, however it ends. While the ranks run, their output is printed here, each line
 prefixed by its rank.
 
 When something goes wrong the call raises a `LaunchError` that says what each rank did:
@@ -19,9 +24,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import itertools
 import linecache
-import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
@@ -30,13 +35,13 @@ import sys
 import time
 from collections import OrderedDict, deque
 
-import cloudpickle
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from parakit import _worker
+from parakit import _shm, _worker
 
-__all__ = ["launch", "device", "shutdown", "LaunchError", "RankError", "RankDied", "CollectiveHang", "LaunchTimeout"]
+__all__ = ["launch", "device", "shutdown", "pool_generation", "LaunchError", "RankError", "RankDied", "CollectiveHang", "LaunchTimeout"]
 
 DEFAULT_TIMEOUT = 120.0
 HANG_GRACE = 1.5  # seconds every unfinished rank waits in a collective that cannot complete
@@ -76,13 +81,16 @@ def launch(fn, *args, world_size: int, backend: str = "auto", timeout: float = D
 
     Inside `fn`, torch.distributed is initialised (rank, world size, default group) and the
     torchrun variables RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set.
-    `backend` is "auto", "gloo" or "nccl"; `timeout` is in seconds.
+    `backend` is "auto", "gloo" or "nccl"; `timeout` is in seconds. Sends every rank the
+    pickled call, its CPU tensors' bytes once through shared memory for all ranks.
     """
     __tracebackhide__ = True
     _check_arguments(world_size, timeout)
     backend = resolve_backend(backend, world_size)
-    blob = _pickle_task(fn, args)
-    return _pool(world_size, backend).run(blob, float(timeout))
+    task_id = next(_task_ids)
+    with _shm.removed_after(f"parakit-{os.getpid()}-{task_id}-") as prefix:
+        blob = _pickle_task(fn, args, prefix + "a")
+        return _pool(world_size, backend).run(task_id, prefix, blob, float(timeout))
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
@@ -131,17 +139,47 @@ def _check_arguments(world_size, timeout) -> None:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
 
 
-def _pickle_task(fn, args) -> bytes:
+def _pickle_task(fn, args, prefix) -> bytes:
+    """(fn, args) by value, their CPU tensors' bytes in shared-memory files named prefix*."""
     if not callable(fn):
         raise TypeError(f"launch needs a function to run on every rank, got {type(fn).__name__} {fn!r}")
     try:
-        return cloudpickle.dumps((fn, args))
+        return _shm.dumps((fn, args), prefix)
+    except OSError:
+        raise  # no space left in shared memory, say: not a pickling problem
     except Exception as error:
-        raise TypeError(f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: they "
-                        f"cannot be pickled ({type(error).__name__}: {error}). Pass tensors and plain "
-                        f"values; create locks, files, sockets and streams inside the function.") from None
+        raise TypeError(f"cannot send {_unsendable(fn, args)} to the ranks: it cannot be pickled "
+                        f"({type(error).__name__}: {error}). Pass tensors and plain values; create "
+                        f"locks, files, sockets and streams inside the function.") from None
 
 
+def _unsendable(fn, args) -> str:
+    """Names the first of `fn` and its arguments that cannot be pickled."""
+    name = getattr(fn, "__name__", repr(fn))
+    for position, arg in enumerate(args):
+        try:
+            _shm.check_picklable(arg)
+        except Exception:
+            return f"argument {position}{_parameter_name(fn, position)} of {name!r}, a {_type_name(arg)},"
+    return f"{name!r} and its arguments"
+
+
+def _parameter_name(fn, position) -> str:
+    """' (name)' of `fn`'s positional parameter at `position`, or '' where it has none."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return ""
+    names = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return f" ({names[position]})" if position < len(names) else ""
+
+
+def _type_name(value) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+_task_ids = itertools.count(1)
 _POOLS: "OrderedDict[tuple[int, str], _Pool]" = OrderedDict()
 
 
@@ -158,8 +196,17 @@ def _pool(world_size: int, backend: str) -> "_Pool":
     return pool
 
 
+def pool_generation(world_size: int, backend: str) -> int | None:
+    """Which start of the live pool for `world_size` ranks and `backend` ("gloo" or "nccl")
+    this is, counting every pool started in this process, or None if none lives: a changed
+    number means new rank processes, so whatever earlier calls left on the ranks is gone."""
+    pool = _POOLS.get((world_size, backend))
+    return pool.generation if pool else None
+
+
 def _context():
-    """The forkserver (spawn where there is none), preloading torch so workers start fast."""
+    """torch.multiprocessing's forkserver (spawn where there is none), preloading torch so
+    workers start fast."""
     if "forkserver" in mp.get_all_start_methods():
         context = mp.get_context("forkserver")
         context.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "parakit._worker"])
@@ -231,6 +278,7 @@ class _Pool:
         self.generation = next(self._ids)
         self.sent_sources: set[str] = set()
         self.store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+        _shm.remove_orphans()
         context = _context()
         self.ranks = [self._start_rank(context, rank) for rank in range(world_size)]
         try:
@@ -296,9 +344,11 @@ class _Pool:
         for r in self.ranks:
             r.flush()
 
-    def run(self, blob: bytes, timeout: float) -> list:
-        call = _Call(self, timeout)
-        message = pickle.dumps(("run", call.task_id, (os.getcwd(), list(sys.path), self._new_sources(), blob)))
+    def run(self, task_id: int, prefix: str, blob: bytes, timeout: float) -> list:
+        """Send every rank the task (`blob`; its results go to files named prefix*) and
+        return their results."""
+        call = _Call(self, task_id, timeout)
+        message = pickle.dumps(("run", task_id, (os.getcwd(), list(sys.path), self._new_sources(), prefix, blob)))
         try:
             for r in self.ranks:
                 r.tail.clear()  # a death report shows this call's output only
@@ -325,7 +375,8 @@ class _Pool:
                 pass
 
     def stop(self) -> None:
-        """Kill every worker and forget this pool."""
+        """Kill every worker, close every pipe, socket and sentinel now (a failed call's
+        traceback may keep this object alive), and forget this pool."""
         if _POOLS.get((self.world_size, self.backend)) is self:
             del _POOLS[(self.world_size, self.backend)]
         for r in getattr(self, "ranks", []):
@@ -336,16 +387,16 @@ class _Pool:
             r.flush()
             for handle in (r.conn, *r.streams):
                 handle.close()
-        self.ranks = []
+            if r.process.exitcode is not None:
+                r.process.close()
+        self.ranks, self.store = [], None
 
 
 class _Call:
     """One call on a pool: gathers results, output and status; finds failures and hangs."""
 
-    _ids = itertools.count(1)
-
-    def __init__(self, pool: _Pool, timeout: float):
-        self.pool, self.timeout, self.task_id = pool, timeout, next(self._ids)
+    def __init__(self, pool: _Pool, task_id: int, timeout: float):
+        self.pool, self.timeout, self.task_id = pool, timeout, task_id
         self.start = time.monotonic()
         self.replies: dict[int, tuple] = {}  # rank -> (kind, payload, calls, messages per peer)
         self.deaths: dict[int, int | None] = {}  # rank -> exit code
@@ -446,7 +497,7 @@ class _Call:
 
     def _result(self) -> list:
         if not self.deaths and all(reply[0] == "ok" for reply in self.replies.values()):
-            return [cloudpickle.loads(self.replies[r][1]) for r in range(self.pool.world_size)]
+            return [_shm.loads(self.replies[r][1], shared=True) for r in range(self.pool.world_size)]
         error = self._failure_error()
         calls = {reply[2] for reply in self.replies.values()}
         if self.deaths or self.unfinished() or len(calls) > 1:

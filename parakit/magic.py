@@ -45,7 +45,7 @@ class RanksMagics(Magics):
     def __init__(self, shell):
         super().__init__(shell)
         self.cells = 0
-        self.generations: dict[tuple[int, str], int] = {}  # pool generation that ran our last cell
+        self.generations: dict[tuple[int, str], int | None] = {}  # pool that ran our last cell (None: gone)
 
     @cell_magic
     def ranks(self, line: str, cell: str) -> None:
@@ -57,12 +57,11 @@ class RanksMagics(Magics):
         lines = cell.splitlines(keepends=True)
         linecache.cache[filename] = (len(cell), None, lines, filename)  # shipped for tracebacks
         key = (options.world_size, launcher.resolve_backend(options.backend, options.world_size))
-        pool = launcher._POOLS.get(key)
-        if key in self.generations and (pool is None or pool.generation != self.generations[key]):
+        live = launcher.pool_generation(*key)
+        if key in self.generations and (live is None or live != self.generations[key]):
             print(f"(new rank processes for world size {key[0]}: names defined by earlier %%ranks cells are gone)")
         try:
             launcher.launch(_worker.run_cell, cell, filename, world_size=options.world_size,
                             backend=options.backend, timeout=options.timeout)
         finally:
-            pool = launcher._POOLS.get(key)
-            self.generations[key] = pool.generation if pool else -1
+            self.generations[key] = launcher.pool_generation(*key)

@@ -3,9 +3,11 @@ rank's output, failures (exceptions, deaths, hangs, timeouts), bad input, interr
 orphans. After every kind of failure the next call is shown to work."""
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -15,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import parakit
-from parakit import CollectiveHang, LaunchError, LaunchTimeout, RankDied, RankError, launcher
+from parakit import CollectiveHang, LaunchError, LaunchTimeout, RankDied, RankError, _shm, launcher
 from conftest import live_children, parent_of, pid_alive, read_until, run_script, start_script, wait_gone
 
 
@@ -109,12 +111,12 @@ MAIN_SCRIPT = """
             self.v = v
 
     def double_box(x):
-        t = torch.tensor([float(x)])
+        t = x.sum().reshape(1)
         dist.all_reduce(t)
-        return Box(2 * t.item())
+        return Box(2 * t)
 
-    boxes = parakit.launch(double_box, 3, world_size=2)
-    print("result", [b.v for b in boxes], type(boxes[0]).__name__)
+    boxes = parakit.launch(double_box, torch.full((100_000,), 0.00003, dtype=torch.float64), world_size=2)
+    print("result", [round(b.v.item(), 6) for b in boxes], type(boxes[0]).__name__)
 """
 
 
@@ -124,6 +126,141 @@ def test_function_and_class_from_unguarded_main_script_run_without_rerunning_it(
     lines = done.stdout.splitlines()
     assert len([line for line in lines if "top level runs" in line]) == 1, done.stdout  # no recursion
     assert "result [12.0, 12.0] Box" in lines, done.stdout
+
+
+# ---------------------------------------------------------------- tensors through shared memory
+
+def shared_memory_files(pids):
+    """The files in shared memory that these processes made: parakit's and torch's own."""
+    prefixes = tuple(f"{kind}{pid}{sep}" for pid in pids for kind, sep in (("parakit-", "-"), ("torch_", "_")))
+    return sorted(name for name in os.listdir(_shm.DIR) if name.startswith(prefixes))
+
+
+def open_fds(collect=False):
+    """How many file descriptors this process has open; with `collect`, after collecting the
+    garbage of earlier tests (a baseline taken so stays exact if a call leaves nothing)."""
+    if collect:
+        gc.collect()
+    return len(os.listdir("/proc/self/fd"))
+
+
+def mapped_shared_files():
+    """The parakit shared-memory files this process maps now, by name."""
+    with open("/proc/self/maps") as maps:
+        paths = [line.split(None, 5)[5].strip() for line in maps if "/parakit-" in line]
+    return sorted({os.path.basename(path.removesuffix(" (deleted)")) for path in paths})
+
+
+def held_by_rank():
+    """What this rank holds between calls: shared-memory mappings and open fds."""
+    return mapped_shared_files(), open_fds()
+
+
+def what_rank_got(x, model):
+    """What the rank sees of its arguments, and the files it maps while it holds them."""
+    tied = model[0].weight is model[1].weight
+    return x, x.stride(), model[0].weight, tied, model[0].weight.requires_grad, mapped_shared_files()
+
+
+def test_tensor_arguments_reach_every_rank_through_one_shared_file_each_storage():
+    base = torch.randn(200, 200).to(torch.bfloat16)  # 80 000 bytes: over _shm.INLINE_BYTES
+    x = base[1:4, ::2]  # a view: its storage travels whole, its strides stay
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 200), torch.nn.Embedding(100, 200))
+    model[1].weight = model[0].weight  # tied weights stay tied
+    results = parakit.launch(what_rank_got, x, model, world_size=2)
+    for got, stride, weight, tied, requires_grad, mapped in results:
+        assert got.dtype == torch.bfloat16 and stride == (200, 2) and torch.equal(got, x)
+        assert torch.equal(weight, model[0].weight) and tied and requires_grad
+        assert len(mapped) == 2 and all(name.startswith(f"parakit-{os.getpid()}-") for name in mapped)
+        assert [name.rsplit("-", 1)[1] for name in mapped] == ["a0", "a1"]  # base's storage, the weight's
+    assert results[0][5] == results[1][5]  # both ranks map the same two files
+
+
+def write_own_rank(x):
+    """Each rank writes its rank into its argument, waits for the others to write too, and
+    returns what it sees."""
+    x[0] = dist.get_rank()
+    dist.barrier()
+    return x
+
+
+@pytest.mark.parametrize("numel", [10, 300_000])  # inside the pickle; through a shared file
+def test_rank_writing_into_its_argument_changes_neither_the_caller_nor_other_ranks(numel):
+    x = torch.full((numel,), 7.0)
+    results = parakit.launch(write_own_rank, x, world_size=4)
+    assert torch.equal(x, torch.full((numel,), 7.0))
+    for rank, got in enumerate(results):
+        assert got[0].item() == rank and torch.equal(got[1:], x[1:])
+
+
+def test_small_tensor_arguments_travel_inside_the_pickle_and_stay_tied():
+    model = torch.nn.Sequential(torch.nn.Embedding(4, 3), torch.nn.Embedding(4, 3))
+    model[1].weight = model[0].weight
+    for got, _, weight, tied, _, mapped in parakit.launch(what_rank_got, torch.ones(3), model, world_size=2):
+        assert torch.equal(weight, model[0].weight) and tied and mapped == []
+
+
+def test_tensor_results_come_back_through_shared_memory_that_the_caller_may_write():
+    before = mapped_shared_files()
+    results = parakit.launch(lambda: torch.full((100_000,), float(dist.get_rank())), world_size=2)
+    new = sorted(set(mapped_shared_files()) - set(before))
+    assert [name.split("-", 3)[3] for name in new] == ["r0-0", "r1-0"]  # parakit-<pid>-<call>-r<rank>-<n>
+    assert new[0].startswith(f"parakit-{os.getpid()}-")
+    results[0] += 5  # writable in place
+    assert torch.equal(results[0], torch.full((100_000,), 5.0)) and torch.equal(results[1], torch.ones(100_000))
+    del results
+    assert mapped_shared_files() == before
+
+
+def write_then_raise(x):
+    x.add_(1)
+    raise ValueError(f"rank {dist.get_rank()} gives up")
+
+
+def test_tensor_calls_and_failures_leave_no_shared_file_mapping_or_fd_behind():
+    x, model = torch.randn(1000, 100), torch.nn.Linear(100, 100)
+    pids = [os.getpid(), *worker_pids(2)]
+    fds, held = open_fds(collect=True), parakit.launch(held_by_rank, world_size=2)
+    for _ in range(3):
+        assert len(parakit.launch(lambda x, m: (m(x), x.clone()), x, model, world_size=2)) == 2
+    with pytest.raises(RankError, match="ValueError: rank 1 gives up"):
+        parakit.launch(write_then_raise, x, world_size=2)
+    assert [mapped for mapped, _ in held] == [[], []]
+    assert parakit.launch(held_by_rank, world_size=2) == held  # no mapping, same fds on each rank
+    assert shared_memory_files(pids) == [] and open_fds() == fds
+
+
+def hold_then_die(x):
+    """Every rank maps x and returns a result as big; rank 1 kills itself instead."""
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x * 2
+
+
+def test_rank_killed_while_holding_shared_tensors_leaves_no_files_or_fds():
+    x = torch.randn(1 << 20)  # 4 MB
+    pids = [os.getpid(), *worker_pids(4)]
+    fds = open_fds(collect=True)
+    with pytest.raises(RankDied, match="--- rank 1 died: killed by SIGKILL"):
+        parakit.launch(hold_then_die, x, world_size=4)
+    assert shared_memory_files(pids) == []
+    assert_pool_works(4)  # a new pool: as many pipes and sockets as the old one had
+    assert open_fds() == fds
+
+
+def test_files_of_a_caller_that_died_are_removed_and_a_live_caller_files_kept():
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan, ours = (os.path.join(_shm.DIR, f"parakit-{pid}-1-a0") for pid in (dead.pid, os.getpid()))
+    for path in (orphan, ours):
+        open(path, "wb").close()
+    try:
+        _shm.remove_orphans()
+        assert (os.path.exists(orphan), os.path.exists(ours)) == (False, True)
+    finally:
+        for path in (orphan, ours):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 # ---------------------------------------------------------------- the pool
@@ -153,6 +290,18 @@ def test_least_recently_used_pool_is_stopped_when_too_many_workers_would_live(mo
     assert wait_gone(three) == [] and not set(again) & set(two) and worker_pids(4) == four
     assert_pool_works(2)
     assert_pool_works(3)
+
+
+def test_pool_generation_is_kept_by_calls_and_changes_when_the_pool_restarts():
+    assert_pool_works(2)
+    first = launcher.pool_generation(2, "gloo")
+    assert_pool_works(2)
+    assert launcher.pool_generation(2, "gloo") == first
+    with pytest.raises(RankDied):
+        parakit.launch(die, "exit", world_size=2)
+    assert launcher.pool_generation(2, "gloo") is None
+    assert_pool_works(2)
+    assert launcher.pool_generation(2, "gloo") > first
 
 
 def test_explicit_gloo_backend_runs_on_the_auto_pool():
@@ -513,10 +662,33 @@ def test_timeout_not_positive_is_rejected(timeout):
 
 def test_function_capturing_a_lock_cannot_be_pickled():
     lock = threading.Lock()
-    with pytest.raises(TypeError, match="cannot be pickled") as caught:
-        parakit.launch(lambda: lock.locked(), world_size=2)
+    with pytest.raises(TypeError) as caught:
+        parakit.launch(lambda x: lock.locked(), 1, world_size=2)
+    assert str(caught.value).startswith("cannot send '<lambda>' and its arguments to the ranks: it cannot be "
+                                        "pickled (TypeError: cannot pickle '_thread.lock' object).")
     assert "create locks, files, sockets and streams inside the function" in str(caught.value)
     assert_pool_works(2)
+
+
+def hold(x, resource):
+    return resource
+
+
+@pytest.mark.parametrize("make, kind, cause", [
+    (threading.Lock, "_thread.lock", "TypeError: cannot pickle '_thread.lock' object"),
+    (lambda: (i for i in range(3)), "generator", "TypeError: cannot pickle 'generator' object"),
+    (lambda: open(os.devnull, "w"), "_io.TextIOWrapper",
+     "PicklingError: Cannot pickle files that are not opened for reading: w")])
+def test_argument_that_cannot_be_pickled_is_named_with_its_type_before_any_rank_starts(make, kind, cause):
+    resource = make()
+    assert launcher.pool_generation(5, "gloo") is None  # no test starts a pool of 5 ranks
+    with pytest.raises(TypeError) as caught:
+        parakit.launch(hold, torch.ones(100_000), resource, world_size=5)
+    assert str(caught.value) == (f"cannot send argument 1 (resource) of 'hold', a {kind}, to the ranks: it "
+                                 f"cannot be pickled ({cause}). Pass tensors and plain values; create locks, "
+                                 f"files, sockets and streams inside the function.")
+    assert launcher.pool_generation(5, "gloo") is None
+    assert shared_memory_files([os.getpid()]) == []  # the tensor before it was written, then removed
 
 
 def test_returning_a_lock_says_it_cannot_be_sent_back():
@@ -585,6 +757,7 @@ def test_workers_and_forkserver_end_when_the_caller_is_killed(tmp_path):
 
 INTERRUPT_SCRIPT = """
     import os, time
+    import torch
     import parakit
 
     def alive(pid):
@@ -593,19 +766,20 @@ INTERRUPT_SCRIPT = """
         except FileNotFoundError:
             return False
 
-    def sleeper():
+    def sleeper(x):
         print("sleeping", flush=True)
         time.sleep(60)
 
     pids = parakit.launch(os.getpid, world_size=2)
     print("pids", *pids, flush=True)
     try:
-        parakit.launch(sleeper, world_size=2)
+        parakit.launch(sleeper, torch.ones(100_000), world_size=2)
         print("not interrupted")
     except KeyboardInterrupt:
         print("interrupted", flush=True)
         time.sleep(1)
         print("alive", *[alive(p) for p in pids], flush=True)
+        print("files", [n for n in os.listdir("/dev/shm") if n.startswith(f"parakit-{os.getpid()}-")], flush=True)
     print("again", parakit.launch(lambda: 7, world_size=2), flush=True)
 """
 
@@ -623,41 +797,53 @@ def test_keyboard_interrupt_stops_every_rank_and_the_next_call_works(tmp_path):
         script.kill()
     output = "".join(seen) + output
     assert script.returncode == 0, output
-    assert "interrupted\nalive False False\n" in output
+    assert "interrupted\nalive False False\nfiles []\n" in output
     assert "again [7, 7]" in output
     assert wait_gone(pids, 1.0) == []
 
 
 # ---------------------------------------------------------------- many calls
 
-def every_tenth_fails(i):
-    """Call i (from 0): every 10th, from the first, raises on rank 1, half of those while the
-    others wait in an all_reduce (the pool restarts), half before any collective (the pool
-    stays); the 200th call (i = 199) works."""
+def every_tenth_fails(i, x):
+    """Call i (from 0) with a tensor x of ones: every 10th, from the first, raises on rank 1,
+    half of those while the others wait in an all_reduce (the pool restarts), half before any
+    collective (the pool stays); the others return x's sum over the ranks and a tensor; the
+    200th call (i = 199) works."""
     if i % 10 == 0 and dist.get_rank() == 1:
         raise ValueError(f"call {i} fails")
     if i % 20 == 0 or i % 10 != 0:
-        return summed_ranks()
+        t = x.sum().reshape(1)
+        dist.all_reduce(t)
+        return t.item(), x * 2
     return None
 
 
-def test_two_hundred_calls_with_failures_leave_no_extra_processes():
+def test_two_hundred_calls_with_failures_leave_no_extra_processes_shared_files_or_fds():
+    x = torch.ones(50_000)
     forkserver = parent_of(worker_pids(4)[0])
     before = live_children(forkserver)
     callers_children = live_children(os.getpid())
+    fds = open_fds(collect=True)
     failures = restarts = 0
+    ranks_ever = set()
     for i in range(200):
         pids = set(worker_pids(4)) if i % 10 == 0 else None
+        ranks_ever |= pids or set()
         try:
-            assert parakit.launch(every_tenth_fails, i, world_size=4) == [6.0] * 4
+            results = parakit.launch(every_tenth_fails, i, x, world_size=4)
+            assert [total for total, _ in results] == [200_000.0] * 4
+            assert all(torch.equal(doubled, x * 2) for _, doubled in results)
         except RankError as error:
             assert f"ValueError: call {i} fails" in str(error)
             failures += 1
             restarts += pids != set(worker_pids(4))
-    assert (failures, restarts) == (20, 10)  # and the 200th call, i = 199, returned [6.0] * 4
+    assert (failures, restarts) == (20, 10)  # and the 200th call, i = 199, returned its results
     deadline = time.monotonic() + 5
     while len(live_children(forkserver)) != len(before) and time.monotonic() < deadline:
         time.sleep(0.05)
     after = live_children(forkserver)
     assert len(after) == len(before) and set(worker_pids(4)) <= after
     assert live_children(os.getpid()) == callers_children
+    del results
+    assert shared_memory_files([os.getpid(), *ranks_ever]) == [] and mapped_shared_files() == []
+    assert open_fds() == fds
