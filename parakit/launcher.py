@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from parakit import _shm, _worker
+from parakit.devices import device, resolve_backend, select_backend
 
 __all__ = ["launch", "device", "shutdown", "pool_generation", "LaunchError", "RankError", "RankDied", "CollectiveHang", "LaunchTimeout"]
 
@@ -91,37 +92,6 @@ def launch(fn, *args, world_size: int, backend: str = "auto", timeout: float = D
     with _shm.removed_after(f"parakit-{os.getpid()}-{task_id}-") as prefix:
         blob = _pickle_task(fn, args, prefix + "a")
         return _pool(world_size, backend).run(task_id, prefix, blob, float(timeout))
-
-
-def resolve_backend(backend: str, world_size: int) -> str:
-    """'auto' is NCCL when there is one GPU per rank (and NCCL is built in), else gloo."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return select_backend(backend, world_size, gpus, dist.is_nccl_available())
-
-
-def select_backend(backend: str, world_size: int, gpus: int, nccl_built: bool) -> str:
-    """`resolve_backend`'s rule, given the visible GPUs and whether torch has NCCL."""
-    choice = str(backend).lower()
-    if choice == "auto":
-        return "nccl" if nccl_built and gpus >= world_size else "gloo"
-    if choice == "gloo":
-        return "gloo"
-    if choice == "nccl":
-        if not nccl_built:
-            raise ValueError("backend 'nccl' needs one GPU per rank and a CUDA build of torch, but this build of "
-                             "torch has no NCCL; use backend='gloo' (or 'auto', which picks gloo here)")
-        if gpus < world_size:
-            raise ValueError(f"backend 'nccl' needs one GPU per rank: world_size={world_size} but {gpus} GPU(s) "
-                             f"are visible; use backend='gloo' (or 'auto', which picks gloo here)")
-        return "nccl"
-    raise ValueError(f"backend {backend!r} is not supported: use 'auto', 'gloo' or 'nccl'")
-
-
-def device() -> torch.device:
-    """The device this rank computes on: its GPU when the process group runs NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def shutdown() -> None:
