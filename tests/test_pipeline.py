@@ -9,6 +9,7 @@ once per fake student, so each lesson's panel is kept small (about eight execute
 from __future__ import annotations
 
 import csv
+import html
 import os
 import shutil
 import subprocess
@@ -19,8 +20,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
+import hostile
 import panel
-from conftest import REPO
+from conftest import REPO, processes_with
 
 os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 sys.path.insert(0, str(REPO))
@@ -37,6 +39,8 @@ def toy_panel(lesson: Path, solution: Path) -> list[panel.Student]:
 
 TOY = pytest.param(panel.Lesson(FIXTURES / "toy.ipynb", toy_panel, timeout=5), id="toy")
 ON_TOY_ONLY = pytest.mark.parametrize("built", [TOY], indirect=True)  # tests of the machinery itself
+ON_00_ONLY = pytest.mark.parametrize("built", [lesson for lesson in panel.course_lessons()
+                                               if lesson.name == "00_collectives"], indirect=True)
 LESSONS = [TOY] + [pytest.param(lesson, id=lesson.name) for lesson in panel.course_lessons()]
 
 
@@ -88,13 +92,13 @@ class Graded:
 
 
 def grade_panel(built: Built, students: list[panel.Student], folder: Path, root: Path,
-                stray: dict[str, str] = {}) -> Graded:
+                stray: dict[str, str] = {}, jobs: int = 1) -> Graded:
     shutil.rmtree(folder, ignore_errors=True)
     panel.write_panel(students, folder)
     for name, text in stray.items():
         (folder / name).write_text(text)
     run = run_course("--solutions", str(built.solutions), "grade", str(folder), "--root", str(root),
-                     "--timeout", str(built.lesson.timeout))
+                     "--timeout", str(built.lesson.timeout), "--jobs", str(jobs))
     assert run.returncode == 0, run.stdout + run.stderr
     out = root / "grades"
     scores: dict[str, dict[str, float]] = {}
@@ -273,3 +277,44 @@ def test_grading_again_regrades_from_scratch(built, graded, tmp_path):
     assert again.rows["full"]["status"] == "not a notebook"
     assert not (again.out / "graded" / "full" / f"{built.lesson.name}.ipynb").exists()
     assert set(again.rows) == {"full", "untouched"}
+
+
+@ON_TOY_ONLY
+def test_jobs_grade_the_same_as_one_at_a_time(built, graded, tmp_path):
+    """Two notebooks at a time, same course root: the same grades.csv, row for row."""
+    again = grade_panel(built, built.students, tmp_path / "class", graded.root, jobs=2,
+                        stray={"notes.txt": "a file outside any student folder"})
+    assert len(again.rows) >= 6
+    assert (again.out / "grades.csv").read_text() == (graded.out / "grades.csv").read_text()
+
+
+@ON_TOY_ONLY
+def test_an_answer_that_misses_or_misnames_what_the_tests_need_is_said_in_one_line(built, tmp_path):
+    full = panel.full_solution(panel.load(built.released), panel.load(built.lesson.solution))
+    students = [panel.Student("no_def", {built.released.name: panel.with_sources(full, {"add": "plus = 1\n"})}, {}),
+                panel.Student("wrong_args", {built.released.name: panel.with_sources(
+                    full, {"add": "def add(a):\n    return a\n"})}, {}),
+                panel.Student("bad_import", {built.released.name: panel.with_sources(
+                    full, {"add": "import no_such_module\ndef add(a, b):\n    return a + b\n"})}, {})]
+    graded = grade_panel(built, students, tmp_path / "class", tmp_path / "course")
+    lines = {"no_def": "add: the answer cell does not define add (expected def add(a, b))",
+             "wrong_args": "add: add is defined as add(a); expected def add(a, b)",
+             "bad_import": "add: the answer cell raised ModuleNotFoundError: No module named 'no_such_module'"}
+    full_marks = panel.points(panel.load(built.released))
+    for student in students:
+        assert lines[student.name] in graded.report_of(student.name)
+        page = (graded.out / "feedback" / student.name / f"{built.lesson.name}.html").read_text()
+        assert html.escape(lines[student.name]) in page
+        assert graded.scores[student.name]["test_add"] == 0
+        assert graded.scores[student.name]["test_mean"] == full_marks["test_mean"]
+
+
+@ON_00_ONLY
+def test_hostile_students_leave_nothing_behind(built, graded):
+    """Their scores are in the panel; here: no process of theirs lives on, the judge never ran
+    their pickle, and the course's files are as they were (git sees no change in parakit/)."""
+    assert processes_with(hostile.MARKER) == []
+    assert not hostile.UNPICKLED.exists()
+    for path in (REPO / "parakit" / "grading" / "__init__.py", REPO / "parakit" / "comm.py"):
+        assert "PWNED" not in path.read_text()
+    assert "passed in the submitted notebook's own run but fails" in graded.report_of("replaces_the_checks")

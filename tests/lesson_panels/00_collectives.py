@@ -1,6 +1,7 @@
 """Lesson 00's fake students."""
 from pathlib import Path
 
+import hostile
 import panel
 from conftest import REPO
 
@@ -29,7 +30,8 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     exercise only. The kernel hangs in the bytes exercise and dies in the two-phase one; in
     `rank_fails` a rank dies inside the ring and the two-phase all-reduce deadlocks (a rank
     receives what nobody sends), each found by parakit's launcher within seconds, and the
-    bytes exercise is still graded."""
+    bytes exercise is still graded. Then the hostile students of tests/hostile.py, each 0 on
+    the exercise it attacks."""
     full = panel.full_solution(panel.load(lesson), panel.load(solution))
     name, pts = lesson.name, panel.points(panel.load(lesson))
     cheats = {
@@ -58,7 +60,8 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
         extra=[panel.Student("all_reduce_in_ring", {name: panel.with_sources(full, all_reduce_in_ring)},
                              {**pts, "test_ring_all_reduce": 0.0}),
                panel.Student("rank_fails", {name: panel.with_sources(full, rank_fails)},
-                             {**pts, "test_ring_all_reduce": 0.0, "test_all_reduce_two_phase": 0.0})])
+                             {**pts, "test_ring_all_reduce": 0.0, "test_all_reduce_two_phase": 0.0}),
+               *hostile.students(lesson, solution)])
 
 
 LESSON = panel.Lesson(REPO / "solutions" / "00_collectives.ipynb", students, timeout=40)
