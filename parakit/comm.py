@@ -345,7 +345,10 @@ class CommLog:
     def written_bytes(self) -> int | None:
         """Every byte the OS counted this process writing while the block was open (up to
         now if it still is): the calls' own bytes, plus whatever else it wrote (prints,
-        files) and what async calls wrote after returning. None without /proc/self/io."""
+        files) and what async calls wrote after returning. None without /proc/self/io, or
+        if a call in the block could not be measured (NCCL, CUDA tensors)."""
+        if any(r.unmeasured for r in self.records):  # NCCL or another backend: the OS saw none of it
+            return None
         start, end = self._written[0], self._written[1] if self._written[1] is not None else written_bytes()
         return None if start is None or end is None else end - start
 
