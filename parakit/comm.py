@@ -63,10 +63,11 @@ class CommRecord:
     """One call on this rank: `nbytes` is the size of the tensors this rank passes in
     (for all_gather its own input, for reduce_scatter the full input, for recv the buffer).
 
-    `measured` is the bytes the process wrote while the call ran (see `written_bytes`): every
-    thread's writes, so async work in flight at the same time is counted in the call it
-    overlaps, and an async call (isend, async_op=True) counts only what it wrote before
-    returning. None where the OS cannot count them, with the reason in `unmeasured`.
+    `measured` is the bytes the process wrote while a blocking call ran (see `written_bytes`):
+    every thread's writes, so async work in flight at the same time is counted in the call it
+    overlaps. None, with the reason in `unmeasured`, where the OS cannot count them (NCCL,
+    CUDA tensors, no /proc/self/io) and for an async call (isend, async_op=True), whose bytes
+    may leave after it returns: `CommLog.written_bytes()` counts those over the whole block.
     `wire_bytes` (also `model_bytes`) is the ring model, not a measurement."""
 
     op: str
@@ -194,6 +195,7 @@ def _wrap(name: str, fn):
         current = TRACKER.current = (name, TRACKER.seq, peer, time.monotonic())
         _thread.depth = 1
         before = written_bytes() if _OPEN_LOGS else None
+        work = None
         start = time.perf_counter()
         try:
             work = fn(*args, **kwargs)
@@ -208,7 +210,8 @@ def _wrap(name: str, fn):
             if _OPEN_LOGS:
                 bound = bound or signature.bind_partial(*args, **kwargs).arguments
                 if not _on_meta(bound, tensor_args):  # meta tensors (shape propagation) move no bytes
-                    record = _record(name, bound, tensor_args, peer, root_arg, seconds, before, after)
+                    record = _record(name, bound, tensor_args, peer, root_arg, seconds, before, after,
+                                     asynchronous=isinstance(work, dist.Work))
                     for log in list(_OPEN_LOGS):
                         log.records.append(record)
 
@@ -233,10 +236,10 @@ def _rank_argument(bound, name, global_rank: bool) -> int | None:
     return group_value if value is None else dist.get_group_rank(group, value)
 
 
-def _record(name, bound, tensor_args, peer, root_arg, seconds, before, after) -> CommRecord:
+def _record(name, bound, tensor_args, peer, root_arg, seconds, before, after, asynchronous) -> CommRecord:
     group = bound.get("group")
     in_group = dist.is_initialized()
-    why = _unmeasurable(bound, tensor_args, group, in_group, before)
+    why = _unmeasurable(bound, tensor_args, group, in_group, before) or (ASYNC if asynchronous else "")
     return CommRecord(
         op=name,
         nbytes=sum(_nbytes(bound.get(a)) for a in tensor_args),
@@ -248,6 +251,10 @@ def _record(name, bound, tensor_args, peer, root_arg, seconds, before, after) ->
         measured=None if why else after - before,
         unmeasured=why,
     )
+
+
+ASYNC = ("async call (isend, irecv, async_op=True): its bytes may leave after it returns, inside other calls; "
+         "CommLog.written_bytes() counts them over the whole block")
 
 
 def _unmeasurable(bound, tensor_args, group, in_group, before) -> str:
@@ -347,7 +354,7 @@ class CommLog:
         now if it still is): the calls' own bytes, plus whatever else it wrote (prints,
         files) and what async calls wrote after returning. None without /proc/self/io, or
         if a call in the block could not be measured (NCCL, CUDA tensors)."""
-        if any(r.unmeasured for r in self.records):  # NCCL or another backend: the OS saw none of it
+        if any(r.unmeasured and r.unmeasured != ASYNC for r in self.records):  # NCCL, another backend: unseen
             return None
         start, end = self._written[0], self._written[1] if self._written[1] is not None else written_bytes()
         return None if start is None or end is None else end - start

@@ -389,3 +389,26 @@ def test_measured_bytes_are_none_on_nccl_and_the_model_remains():
     for measured, why, model in parakit.launch(on_cuda, world_size=2, backend="nccl"):
         assert (measured, model) == (None, 40)
         assert why.startswith("CUDA tensors: NCCL moves them")
+
+
+def isend_one_mebibyte():
+    x = torch.randn(MEGA // 4)
+    dist.barrier()
+    time.sleep(0.05)
+    before = tcp_bytes_written()
+    with CommLog() as log:
+        if dist.get_rank() == 0:
+            dist.isend(x, 1).wait()
+        else:
+            dist.recv(x, 0)
+    time.sleep(0.05)
+    record = log.records[0]
+    return record.measured, record.unmeasured, log.measured_bytes(), log.written_bytes(), tcp_bytes_written() - before
+
+
+@pytest.mark.skipif(comm.written_bytes() is None, reason="no /proc/self/io on this platform")
+def test_an_async_send_is_unmeasured_per_call_and_counted_by_the_block():
+    (measured, why, total, written, counted), receiver = parakit.launch(isend_one_mebibyte, world_size=2)
+    assert (measured, why, total) == (None, comm.ASYNC, None)
+    assert abs(written - counted) <= 0.02 * counted and abs(written - MEGA) <= 0.005 * MEGA, (written, counted)
+    assert receiver[0] is not None and receiver[1] == "" and receiver[0] < 4096  # a blocking recv writes ~nothing
