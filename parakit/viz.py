@@ -171,7 +171,7 @@ DP_STEPS = [  # (step, what device 0 does, what every other device i does)
 
 
 def dp_flow(chunk_sizes: Sequence[int]):
-    """One nn.DataParallel step (seed 003) on len(chunk_sizes) devices, row by row: what
+    """One nn.DataParallel step on len(chunk_sizes) devices, row by row: what
     each device does with the rows `chunk_sizes` gives it. Device 0's extra work (gather,
     loss, reduce, update) is orange; idle cells are blank."""
     n, starts = len(chunk_sizes), [sum(chunk_sizes[:i]) for i in range(len(chunk_sizes))]
