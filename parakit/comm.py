@@ -3,7 +3,15 @@ ring all-reduce built from send/recv.
 
     with CommLog() as log:
         dist.all_reduce(x)
-    log.count("all_reduce"), log.nbytes("all_reduce"), log.wire_bytes()
+    log.count("all_reduce"), log.nbytes("all_reduce"), log.measured_bytes(), log.wire_bytes()
+
+Two byte counts sit side by side. `measured_bytes` is what the OS says this process wrote
+during each call (gloo on CPU; see `written_bytes`); `wire_bytes` is a model: what the ring
+(or chain) algorithm of `ring_bytes` would send. They agree for all_reduce and all_gather on
+gloo; gloo's reduce_scatter writes twice the model (it reduces the whole tensor with an
+all-reduce-like algorithm, then keeps its piece) and its broadcast is a tree (the root sends
+to two ranks), while NCCL runs rings and chains close to the model, on the GPU, where the
+OS counts nothing: there measured bytes are None and only the model is left.
 
 The meter wraps the functions of `torch.distributed` (both `dist.X` and
 `torch.distributed.distributed_c10d.X`) once, the first time it is used. Each wrapped call
@@ -15,6 +23,7 @@ outer one. Collectives issued from C++ (the reducer of torch's DDP) are not seen
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 import time
 from collections import Counter, defaultdict
@@ -26,13 +35,42 @@ import torch.distributed.distributed_c10d as c10d
 
 from parakit.groups import global_rank
 
-__all__ = ["CommLog", "CommRecord", "ring_all_reduce", "all_reduce_two_phase", "ring_schedule", "ring_bytes", "TRACKER"]
+__all__ = ["CommLog", "CommRecord", "ring_all_reduce", "all_reduce_two_phase", "ring_schedule", "ring_bytes",
+           "written_bytes", "TRACKER"]
+
+_PROC_IO = "/proc/self/io"
+
+
+def written_bytes() -> int | None:
+    """Bytes this process has written so far, by the OS's count (`wchar` of /proc/self/io),
+    or None where the platform has no such file (macOS, Windows).
+
+    `wchar` counts every byte any thread of the process handed to write-like system calls
+    (write, writev, send on a socket): gloo's TCP messages with their small headers, but also
+    prints, pipes and files. It does not count bytes moved without such a call: NCCL's GPU
+    transfers (copy engines, NVLink, RDMA), shared memory, or what the kernel resends.
+    """
+    try:
+        with open(_PROC_IO, "rb") as f:
+            for line in f:
+                if line.startswith(b"wchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
 
 
 @dataclass(frozen=True)
 class CommRecord:
     """One call on this rank: `nbytes` is the size of the tensors this rank passes in
-    (for all_gather its own input, for reduce_scatter the full input, for recv the buffer)."""
+    (for all_gather its own input, for reduce_scatter the full input, for recv the buffer).
+
+    `measured` is the bytes the process wrote while a blocking call ran (see `written_bytes`):
+    every thread's writes, so async work in flight at the same time is counted in the call it
+    overlaps. None, with the reason in `unmeasured`, where the OS cannot count them (NCCL,
+    CUDA tensors, no /proc/self/io) and for an async call (isend, async_op=True), whose bytes
+    may leave after it returns: `CommLog.written_bytes()` counts those over the whole block.
+    `wire_bytes` (also `model_bytes`) is the ring model, not a measurement."""
 
     op: str
     nbytes: int
@@ -41,11 +79,15 @@ class CommRecord:
     peer: int | None  # the other rank (global) of a send/recv, else None
     root: int | None  # src/dst of a rooted collective, as a rank in the group, else None
     seconds: float
+    measured: int | None = None
+    unmeasured: str = ""  # why `measured` is None
 
     @property
     def wire_bytes(self) -> int:
-        """Bytes this rank sends with the bandwidth-optimal (ring or chain) algorithm."""
+        """Model: bytes this rank sends with the bandwidth-optimal (ring or chain) algorithm."""
         return ring_bytes(self.op, self.nbytes, self.group_size, self.rank, self.root)
+
+    model_bytes = wire_bytes
 
 
 def ring_bytes(op: str, nbytes: int, n: int, rank: int = 0, root: int | None = None) -> int:
@@ -154,6 +196,8 @@ def _wrap(name: str, fn):
             TRACKER.messages["send" if "send" in name else "recv", peer] += 1
         current = TRACKER.current = (name, TRACKER.seq, peer, time.monotonic())
         _thread.depth = 1
+        before = written_bytes() if _OPEN_LOGS else None
+        work = None
         start = time.perf_counter()
         try:
             work = fn(*args, **kwargs)
@@ -162,12 +206,14 @@ def _wrap(name: str, fn):
             return work
         finally:
             seconds = time.perf_counter() - start
+            after = written_bytes() if before is not None else None
             _thread.depth = 0
             TRACKER.last, TRACKER.current = current[:3], None
             if _OPEN_LOGS:
                 bound = bound or signature.bind_partial(*args, **kwargs).arguments
                 if not _on_meta(bound, tensor_args):  # meta tensors (shape propagation) move no bytes
-                    record = _record(name, bound, tensor_args, peer, root_arg, seconds)
+                    record = _record(name, bound, tensor_args, peer, root_arg, seconds, before, after,
+                                     asynchronous=isinstance(work, dist.Work))
                     for log in list(_OPEN_LOGS):
                         log.records.append(record)
 
@@ -192,9 +238,10 @@ def _rank_argument(bound, name, global_rank: bool) -> int | None:
     return group_value if value is None else dist.get_group_rank(group, value)
 
 
-def _record(name, bound, tensor_args, peer, root_arg, seconds) -> CommRecord:
+def _record(name, bound, tensor_args, peer, root_arg, seconds, before, after, asynchronous) -> CommRecord:
     group = bound.get("group")
     in_group = dist.is_initialized()
+    why = _unmeasurable(bound, tensor_args, group, in_group, before) or (ASYNC if asynchronous else "")
     return CommRecord(
         op=name,
         nbytes=sum(_nbytes(bound.get(a)) for a in tensor_args),
@@ -203,7 +250,28 @@ def _record(name, bound, tensor_args, peer, root_arg, seconds) -> CommRecord:
         peer=peer,
         root=_rank_argument(bound, root_arg, global_rank=False) if root_arg else None,
         seconds=seconds,
+        measured=None if why else after - before,
+        unmeasured=why,
     )
+
+
+ASYNC = ("async call (isend, irecv, async_op=True): its bytes may leave after it returns, inside other calls; "
+         "CommLog.written_bytes() counts them over the whole block")
+
+
+def _unmeasurable(bound, tensor_args, group, in_group, before) -> str:
+    """Why the OS's write count cannot measure this call, or "" where it can."""
+    if any(t.is_cuda for a in tensor_args for t in _tensors(bound.get(a))):
+        return "CUDA tensors: NCCL moves them without a write() the OS counts; only the model is left"
+    try:
+        backend = dist.get_backend(group) if in_group else None
+    except (RuntimeError, ValueError):  # a group this rank is not in
+        backend = None
+    if backend is not None and "gloo" not in str(backend):
+        return f"backend {backend}: its transfers are not write() calls the OS counts; only the model is left"
+    if before is None:
+        return f"no {_PROC_IO} on this platform: the OS gives no per-process write count"
+    return ""
 
 
 def _wait_for_gpu(bound, tensor_args) -> None:
@@ -236,19 +304,24 @@ def install(wait_for_gpu: bool | None = None) -> None:
 class CommLog:
     """Records every communication call this rank makes while the `with` block is open.
 
-    Attributes: `records`, a list of CommRecord in call order.
+    Attributes: `records`, a list of CommRecord in call order. Bytes come two ways:
+    `measured_bytes` (the OS's count of what the process wrote during each call, gloo only)
+    and `wire_bytes` (the ring model). `written_bytes` is the OS's count over the whole block.
     """
 
     def __init__(self):
         self.records: list[CommRecord] = []
+        self._written: list[int | None] = [None, None]  # written_bytes() at enter and exit
 
     def __enter__(self) -> "CommLog":
         install()
+        self._written = [written_bytes(), None]
         _OPEN_LOGS.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
         _OPEN_LOGS.remove(self)
+        self._written[1] = written_bytes()
 
     def _select(self, op):
         ops = (op,) if isinstance(op, str) else op
@@ -263,21 +336,47 @@ class CommLog:
         return sum(r.nbytes for r in self._select(op))
 
     def wire_bytes(self, op: str | tuple[str, ...] | None = None) -> int:
-        """Bytes this rank sends, by the ring model for collectives, exactly for sends."""
+        """Model: bytes this rank sends by the ring model for collectives, exactly for sends."""
         return sum(r.wire_bytes for r in self._select(op))
+
+    model_bytes = wire_bytes
+
+    def measured_bytes(self, op: str | tuple[str, ...] | None = None) -> int | None:
+        """Bytes the OS counted this process writing during the calls (of `op`, or of every
+        call), or None if any of them could not be measured (see `unmeasured`)."""
+        values = [r.measured for r in self._select(op)]
+        return None if None in values else sum(values)
+
+    def unmeasured(self, op: str | tuple[str, ...] | None = None) -> str:
+        """Why `measured_bytes(op)` is None ("" when it is not)."""
+        return next((r.unmeasured for r in self._select(op) if r.unmeasured), "")
+
+    def written_bytes(self) -> int | None:
+        """Every byte the OS counted this process writing while the block was open (up to
+        now if it still is): the calls' own bytes, plus whatever else it wrote (prints,
+        files) and what async calls wrote after returning. None without /proc/self/io, or
+        if a call in the block could not be measured (NCCL, CUDA tensors)."""
+        if any(r.unmeasured and r.unmeasured != ASYNC for r in self.records):  # NCCL, another backend: unseen
+            return None
+        start, end = self._written[0], self._written[1] if self._written[1] is not None else written_bytes()
+        return None if start is None or end is None else end - start
 
     def seconds(self, op: str | tuple[str, ...] | None = None) -> float:
         return sum(r.seconds for r in self._select(op))
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """{op: {"count", "nbytes", "wire_bytes", "seconds"}} in order of first use."""
-        rows: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(("count", "nbytes", "wire_bytes", "seconds"), 0))
+        """{op: {"count", "nbytes", "wire_bytes", "seconds", "measured_bytes"}} in order of first
+        use; "wire_bytes" is the ring model, "measured_bytes" the OS's count (None where a
+        call could not be measured)."""
+        rows: dict[str, dict[str, float]] = defaultdict(
+            lambda: dict.fromkeys(("count", "nbytes", "wire_bytes", "seconds", "measured_bytes"), 0))
         for r in self.records:
             row = rows[r.op]
             row["count"] += 1
             row["nbytes"] += r.nbytes
             row["wire_bytes"] += r.wire_bytes
             row["seconds"] += r.seconds
+            row["measured_bytes"] = None if row["measured_bytes"] is None or r.measured is None else row["measured_bytes"] + r.measured
         return dict(rows)
 
     def __repr__(self) -> str:

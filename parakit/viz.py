@@ -69,24 +69,79 @@ def static_only() -> bool:
     return shell is None or not hasattr(shell, "kernel")
 
 
-def explore(draw: Callable, **controls):
+def explore(draw: Callable, **controls) -> None:
     """Sliders for `draw(**values)`: `controls` maps a name to (low, high[, step]) or a list.
 
-    Where no frontend can show widgets (see `static_only`), draws once with each control at
-    its first value (or its low end) and shows that figure instead.
+    The controls are widgets; the figure `draw` makes (and what it prints) is an ordinary
+    output of the cell, shown first at each control's first value (or low end) and replaced
+    in place (`display_id`) when a control moves. No `ipywidgets.Output` or `interact` is
+    used: a client that runs the notebook with no frontend (nbclient, as in nbconvert,
+    papermill and nbgrader) answers an Output widget by sending comm messages to the kernel
+    on the shell channel while it waits for the cell's reply there, and under load that reply
+    can wait for the cell's timeout. Returns None, so no function's repr lands in the cell.
+
+    Where no frontend can show widgets (see `static_only`), draws once at the first values.
     """
+    first = {name: spec[0] for name, spec in controls.items()}
     if static_only():
-        first = {name: spec[0] for name, spec in controls.items()}
         draw(**first)
         plt.show()
         return None
     import ipywidgets
+    from IPython.display import display
 
-    def redraw(**values):
+    widgets = {name: _widget(spec) for name, spec in controls.items()}
+    display(ipywidgets.HBox(list(widgets.values())))
+    figure, text = _drawn(draw, first)
+    handles = [display(figure, display_id=True), display(text, raw=True, display_id=True)]
+
+    def redraw(_change=None):
+        figure, text = _drawn(draw, {name: w.value for name, w in widgets.items()})
+        handles[0].update(figure)
+        handles[1].update(text, raw=True)
+
+    for w in widgets.values():
+        w.observe(redraw, names="value")
+    return None
+
+
+def _drawn(draw: Callable, values: dict):
+    """(the figures `draw(**values)` made, as one PNG image, and what it printed as a
+    text/plain bundle); the figures are closed, so nothing else shows them."""
+    import contextlib
+    import io
+
+    from IPython.display import Image
+
+    before, printed = set(plt.get_fignums()), io.StringIO()
+    with contextlib.redirect_stdout(printed):
         draw(**values)
-        plt.show()
+    figures = [plt.figure(n) for n in plt.get_fignums() if n not in before]
+    if len(figures) > 1:  # one image: stack them
+        images = [_png(f) for f in figures]
+        import matplotlib.image as mpimg
+        import numpy as np
 
-    return ipywidgets.interact(redraw, **{name: _widget(spec) for name, spec in controls.items()})
+        arrays = [mpimg.imread(io.BytesIO(b)) for b in images]
+        width = max(a.shape[1] for a in arrays)
+        arrays = [np.pad(a, ((0, 0), (0, width - a.shape[1]), (0, 0)), constant_values=1.0) for a in arrays]
+        buffer = io.BytesIO()
+        plt.imsave(buffer, np.concatenate(arrays), format="png")
+        png = buffer.getvalue()
+    else:
+        png = _png(figures[0]) if figures else b""
+    for f in figures:
+        plt.close(f)
+    image = Image(data=png, format="png") if png else {"text/plain": "(no figure)"}
+    return image, {"text/plain": printed.getvalue().rstrip("\n")}
+
+
+def _png(figure) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", bbox_inches="tight")
+    return buffer.getvalue()
 
 
 def _widget(spec):
@@ -95,7 +150,10 @@ def _widget(spec):
     if isinstance(spec, tuple) and all(isinstance(v, int) for v in spec):
         low, high, *step = spec
         return ipywidgets.IntSlider(value=low, min=low, max=high, step=step[0] if step else 1)
-    return spec
+    if isinstance(spec, tuple):
+        low, high, *step = spec
+        return ipywidgets.FloatSlider(value=low, min=low, max=high, step=step[0] if step else (high - low) / 20)
+    return ipywidgets.Dropdown(options=list(spec), value=spec[0])
 
 
 # ---------------------------------------------------------------- lesson 01: DataParallel
@@ -113,7 +171,7 @@ DP_STEPS = [  # (step, what device 0 does, what every other device i does)
 
 
 def dp_flow(chunk_sizes: Sequence[int]):
-    """One nn.DataParallel step (seed 003) on len(chunk_sizes) devices, row by row: what
+    """One nn.DataParallel step on len(chunk_sizes) devices, row by row: what
     each device does with the rows `chunk_sizes` gives it. Device 0's extra work (gather,
     loss, reduce, update) is orange; idle cells are blank."""
     n, starts = len(chunk_sizes), [sum(chunk_sizes[:i]) for i in range(len(chunk_sizes))]

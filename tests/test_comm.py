@@ -295,3 +295,120 @@ def test_ring_all_reduce_rejects_an_op_it_cannot_compute():
 
     with pytest.raises(parakit.RankError, match="ring_all_reduce supports SUM, PRODUCT, MAX and MIN"):
         parakit.launch(band, world_size=2)
+
+
+# ---------------------------------------------------------------- measured bytes
+
+def tcp_bytes_written() -> int:
+    """An independent count of what this process wrote: the kernel's TCP counters summed
+    over its TCP sockets (tcp_info's bytes_sent plus bytes still queued, notsent_bytes)."""
+    import os
+    import socket
+    import struct
+
+    total = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+                info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
+                total += struct.unpack_from("Q", info, 200)[0] + struct.unpack_from("I", info, 144)[0]
+        finally:
+            sock.close()
+    return total
+
+
+MEGA = 1 << 20  # bytes per call
+
+
+def measured_and_counted(op):
+    """(CommLog's measured bytes, the TCP count, the model) for one 1 MiB call of `op`."""
+    n = dist.get_world_size()
+    x = torch.randn(MEGA // 4)
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(x),
+        "all_gather": lambda: dist.all_gather_single(torch.empty(n * x.numel()), x),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(torch.empty(x.numel() // n), x),
+        "broadcast": lambda: dist.broadcast(x, src=0),
+    }
+    dist.barrier()
+    time.sleep(0.05)  # the barrier's own bytes have left
+    before = tcp_bytes_written()
+    with CommLog() as log:
+        calls[op]()
+    time.sleep(0.05)
+    return log.measured_bytes(), tcp_bytes_written() - before, log.wire_bytes(), log.records[0].unmeasured
+
+
+@pytest.mark.skipif(comm.written_bytes() is None, reason="no /proc/self/io on this platform")
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter", "broadcast"])
+def test_measured_bytes_match_the_kernels_tcp_count_within_two_percent(op, world_size):
+    n = world_size
+    for rank, (measured, counted, model, why) in enumerate(parakit.launch(measured_and_counted, op, world_size=n)):
+        assert why == "" and measured is not None, (rank, why)
+        assert abs(measured - counted) <= 0.02 * max(counted, 4096), (op, rank, measured, counted)
+        if op in ("all_reduce", "all_gather"):  # gloo runs the ring: the model holds to 0.5% (message headers)
+            assert abs(measured - model) <= 0.005 * model, (op, rank, measured, model)
+        if op == "reduce_scatter":  # gloo reduces the whole tensor: twice the ring model
+            assert abs(measured - 2 * model) <= 0.005 * model, (op, rank, measured, model)
+        if op == "broadcast":  # a tree from rank 0: 2 children at the root, 1 at rank 1 on 4 ranks
+            children = {2: [1, 0], 4: [2, 1, 0, 0]}[n][rank]
+            assert abs(measured - children * MEGA) <= 0.005 * MEGA, (op, rank, measured)
+
+
+def without_proc_io():
+    saved, comm._PROC_IO = comm._PROC_IO, "/nonexistent/io"
+    try:
+        with CommLog() as log:
+            dist.all_reduce(torch.ones(10))
+    finally:
+        comm._PROC_IO = saved
+    return log.measured_bytes(), log.unmeasured(), log.records[0].measured, log.written_bytes(), log.wire_bytes()
+
+
+def test_measured_bytes_are_none_with_the_reason_where_the_os_gives_no_count():
+    for measured, why, record, written, model in parakit.launch(without_proc_io, world_size=2):
+        assert (measured, record, written, model) == (None, None, None, 40)
+        assert why == "no /nonexistent/io on this platform: the OS gives no per-process write count"
+
+
+def on_cuda():
+    with CommLog() as log:
+        dist.all_reduce(torch.ones(10, device=f"cuda:{dist.get_rank()}"))
+    return log.measured_bytes(), log.unmeasured(), log.wire_bytes()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_measured_bytes_are_none_on_nccl_and_the_model_remains():
+    for measured, why, model in parakit.launch(on_cuda, world_size=2, backend="nccl"):
+        assert (measured, model) == (None, 40)
+        assert why.startswith("CUDA tensors: NCCL moves them")
+
+
+def isend_one_mebibyte():
+    x = torch.randn(MEGA // 4)
+    dist.barrier()
+    time.sleep(0.05)
+    before = tcp_bytes_written()
+    with CommLog() as log:
+        if dist.get_rank() == 0:
+            dist.isend(x, 1).wait()
+        else:
+            dist.recv(x, 0)
+    time.sleep(0.05)
+    record = log.records[0]
+    return record.measured, record.unmeasured, log.measured_bytes(), log.written_bytes(), tcp_bytes_written() - before
+
+
+@pytest.mark.skipif(comm.written_bytes() is None, reason="no /proc/self/io on this platform")
+def test_an_async_send_is_unmeasured_per_call_and_counted_by_the_block():
+    (measured, why, total, written, counted), receiver = parakit.launch(isend_one_mebibyte, world_size=2)
+    assert (measured, why, total) == (None, comm.ASYNC, None)
+    assert abs(written - counted) <= 0.02 * counted and abs(written - MEGA) <= 0.005 * MEGA, (written, counted)
+    assert receiver[0] is not None and receiver[1] == "" and receiver[0] < 4096  # a blocking recv writes ~nothing

@@ -21,7 +21,9 @@ def profile_stage(model: nn.Module, stage: int, batch: tuple, loss_fn, optimizer
     parallelism: each gradient all-reduced (2(N-1)/N of its bytes), then averaged; stage 3
     makes each child of `model` a unit.
 
-    Returns {"rest": {kind: bytes}, "peak": {kind: bytes}, "wire_bytes": int, "calls": {op: count}}.
+    Returns {"rest": {kind: bytes}, "peak": {kind: bytes}, "wire_bytes": int (the ring model),
+    "written_bytes": int or None (what the OS counted the process writing during the step, see
+    `comm.CommLog.written_bytes`), "calls": {op: count}}.
     """
     n = dist.get_world_size(group)
     if stage == 3:
@@ -43,4 +45,5 @@ def profile_stage(model: nn.Module, stage: int, batch: tuple, loss_fn, optimizer
                 model.finish_gradient_synchronization()
             optimizer.step()
     calls = {op: int(row["count"]) for op, row in log.summary().items()}
-    return {"rest": held_bytes(model, optimizer), "peak": meter.peak, "wire_bytes": log.wire_bytes(), "calls": calls}
+    return {"rest": held_bytes(model, optimizer), "peak": meter.peak, "wire_bytes": log.wire_bytes(),
+            "written_bytes": log.written_bytes(), "calls": calls}

@@ -1,0 +1,69 @@
+"""The lessons' widget cells run headless (nbclient, no frontend, no PARAKIT_STATIC, as
+nbgrader, nbconvert and papermill run a notebook) while the machine is busy, and no cell
+waits for its timeout.
+
+The cause this guards against: nbclient answers an `ipywidgets.Output` widget (what
+`interact` draws into) by sending comm messages to the kernel on the shell channel while it
+waits on that channel for the cell's reply; under load the reply then waited for the cell's
+timeout. `viz.explore` uses no Output widget, so the client has nothing to send.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from conftest import REPO
+
+CELLS = [  # the shapes of the lessons' explore calls: int sliders, a list, a printing draw
+    "import matplotlib.pyplot as plt\nfrom parakit import viz",
+    "viz.explore(lambda n: viz.ring_steps(n), n=(3, 8))",
+    "viz.explore(viz.pipeline_schedule_figure, schedule=['interleaved', '1f1b', 'gpipe'], p=(2, 8), m=(8, 32), v=(2, 4))",
+    "def bars(k):\n    print('k =', k)\n    plt.subplots(figsize=(3, 2))[1].bar(range(k + 1), range(k + 1))\n"
+    "viz.explore(bars, k=(0, 16))",
+    "viz.explore(viz.checkpoint_plan, n=(16, 64), segments=(4, 16))",
+]
+CELL_TIMEOUT = 20  # s: a cell that stalls waits exactly this long
+RUNS = 3
+
+
+def busy_loops(k: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(k)]
+
+
+def run_headless(nb) -> tuple[list[float], NotebookClient]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PARAKIT_STATIC", "CI", "MPLBACKEND")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3")
+    seconds = []
+    with client.setup_kernel(env=env):
+        for index, cell in enumerate(nb.cells):
+            start = time.monotonic()
+            client.execute_cell(cell, index)
+            seconds.append(time.monotonic() - start)
+    return seconds, client
+
+
+def test_widget_cells_run_headless_under_load_without_waiting_for_their_timeout():
+    load = busy_loops(2)
+    try:
+        for run in range(RUNS):
+            nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
+            seconds, client = run_headless(nb)
+            assert client.comm_objects == {}, "the client emulated an Output widget (it talks back on the shell channel)"
+            assert max(seconds) < CELL_TIMEOUT, f"run {run}: a cell waited for its timeout: {seconds}"
+            for cell in nb.cells[1:]:
+                kinds = [sorted(o.get("data", {})) for o in cell.outputs]
+                assert kinds[0] == ["application/vnd.jupyter.widget-view+json", "text/plain"]  # the controls
+                assert kinds[1] == ["image/png", "text/plain"]  # the figure, an ordinary output
+                assert not any("<function" in str(o.get("data", {}).get("text/plain", "")) for o in cell.outputs)
+            assert nb.cells[3].outputs[2]["data"]["text/plain"] == "k = 0"  # what draw printed
+    finally:
+        for process in load:
+            process.kill()
+            process.wait()
