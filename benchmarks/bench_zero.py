@@ -12,7 +12,7 @@ bytes a rank holds during its second step, for both: every allocation and free t
 allocator saw since the model was built, counted by torch.profiler with profile_memory (which
 also sees buffers kept inside torch's DDP and FSDP2 and storages resized in place), parakit's
 over torch's,
-with parakit's peak of parameters, gradients and optimizer state from zero.MemoryMeter beside it;
+with parakit's peak of parameters, gradients and optimizer state from zero.HeldBytesPeak beside it;
 parakit's bytes against the ZeRO table. The issue's bars are marked PASS or FAIL; nothing is asserted.
 """
 from __future__ import annotations
@@ -80,7 +80,7 @@ def allocated_peak(profiler, window: str) -> int:
 def on_ranks(setup, ours, layers, hidden, steps):
     """Step times, bytes held after the last step, the allocator's peak during the second
     step (everything allocated since the model was built counted), and parakit's peak of
-    what zero.MemoryMeter walks."""
+    what zero.HeldBytesPeak walks."""
     x, y = torch.randn(16, hidden), torch.randn(16, hidden)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiled:
         model, optimizer = build(setup, ours, layers, hidden)
@@ -95,7 +95,7 @@ def on_ranks(setup, ours, layers, hidden, steps):
         times.append(time.perf_counter() - start)
     walked = None
     if ours:  # one more step, metered (the meter samples before and after every op: not timed)
-        with zero.MemoryMeter(model, optimizer) as meter:
+        with zero.HeldBytesPeak(model, optimizer) as meter:
             step_once(setup, ours, model, optimizer, x, y)
         walked = meter.peak_total
     state = getattr(optimizer, "optim", optimizer).state  # ZeroRedundancyOptimizer keeps its shard in .optim

@@ -39,7 +39,5 @@ from parakit.zero.optimizer import ShardedOptimizer, partition_parameters
 from parakit.zero.paper import zero_bytes, zero_comm_bytes
 from parakit.zero.profile import profile_stage
 
-MemoryMeter = HeldBytesPeak  # the name lesson 03 and bench_zero.py use; HeldBytesPeak is the class's own
-
 __all__ = ["ShardedOptimizer", "FullyShardedDataParallel", "partition_parameters", "zero_bytes",
-           "zero_comm_bytes", "held_bytes", "HeldBytesPeak", "MemoryMeter", "profile_stage"]
+           "zero_comm_bytes", "held_bytes", "HeldBytesPeak", "profile_stage"]

@@ -4,12 +4,42 @@ from pathlib import Path
 import panel
 from conftest import REPO
 
+GPIPE_MSE_ONLY = '''def gpipe_step(model, x, target, loss_fn, m):
+    """GPipe on stage model[rank]: m forwards, then m backwards, with send/recv between neighbours."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    stage = model[rank]
+    inputs, outputs = [], []
+    for x_i, target_i in zip(x.chunk(m), target.chunk(m)):   # forwards: [batch/m, hidden] each
+        inp = x_i
+        if rank > 0:
+            inp = torch.empty_like(x_i)
+            dist.recv(inp, rank - 1)
+            inp.requires_grad_()
+        out = stage(inp)
+        if rank < p - 1:
+            dist.send(out.detach(), rank + 1)
+        else:
+            out = F.mse_loss(out, target_i) / m
+        inputs.append(inp)
+        outputs.append(out)
+    for inp, out in zip(inputs, outputs):                     # backwards
+        if rank < p - 1:
+            grad = torch.empty_like(out)
+            dist.recv(grad, rank + 1)
+            out.backward(grad)
+        else:
+            out.backward()
+        if rank > 0:
+            dist.send(inp.grad, rank - 1)
+    return [q.grad for q in stage.parameters()]
+'''  # right, but the loss is always the squared error: the hidden tests use another
+
 
 def students(lesson: Path, solution: Path) -> list[panel.Student]:
     """Lesson 04. The hard-coder's 1F1B order knows only p = 2 and 4, its stage ignores
-    loss_fn (always the squared error) and its bubble is a table of the visible cases (each
+    loss_fn (always the squared error), so does its GPipe step, and its bubble is a table of the visible cases (each
     0 on the hidden tests); the borrower calls parakit's 1F1B builder, parakit's
-    pipeline_step and parakit's bubble formula (each 0 by the tripwires); the kernel hangs
+    pipeline_step (in the stage and in GPipe) and parakit's bubble formula (each 0 by the tripwires); the kernel hangs
     in the bubble formula and dies in the stage."""
     pts = panel.points(panel.load(lesson))
     hardcoded = {
@@ -26,6 +56,7 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
                       "    return [q.grad for q in stage.parameters()]\n",
         "bubble_fraction": "def bubble_fraction(p, m, v=1):\n"
                            "    return {(2, 8, 1): 1 / 9, (4, 4, 1): 3 / 7, (4, 8, 2): 3 / 19}[(p, m, v)]\n",
+        "gpipe_step": GPIPE_MSE_ONLY,
     }
     borrowed = {
         "one_f_one_b_order": "def one_f_one_b_order(p, m, rank):\n"
@@ -34,6 +65,9 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
                       "    pipeline.pipeline_step(model, [1] * p, x, target, loss_fn, schedule='gpipe', num_microbatches=1)\n"
                       "    return [q.grad for q in model[dist.get_rank()].parameters()]\n",
         "bubble_fraction": "def bubble_fraction(p, m, v=1):\n    return float(pipeline.bubble_formula(p, m, v))\n",
+        "gpipe_step": "def gpipe_step(model, x, target, loss_fn, m):\n    p = dist.get_world_size()\n"
+                      "    pipeline.pipeline_step(model, [1] * p, x, target, loss_fn, schedule='gpipe', num_microbatches=m)\n"
+                      "    return [q.grad for q in model[dist.get_rank()].parameters()]\n",
     }
     return panel.standard_panel(
         lesson, solution, hang_in="bubble_fraction", crash_in="stage_step",
