@@ -65,14 +65,14 @@ class _Link:
             send_frame(self.sock, header, payload)
 
     def _read(self):
-        while True:
-            frame = recv_frame(self.sock)
-            if frame is None:
-                return
-            header, payload = frame
-            future, outputs = self.pending.pop(header["id"])
-            _fill(outputs, header["outputs"], payload)
-            future.set_result(outputs)
+        while (frame := recv_frame(self.sock)) is not None:
+            self._complete(*frame)
+            del frame  # hold nothing of an answer while waiting for the next
+
+    def _complete(self, header: dict, payload: bytes) -> None:
+        future, outputs = self.pending.pop(header["id"])
+        _fill(outputs, header["outputs"], payload)
+        future.set_result(outputs)
 
 
 def _fill(outputs: list[torch.Tensor], metas: list[dict], payload: bytes) -> None:
