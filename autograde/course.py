@@ -340,7 +340,7 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
         kept = snapshot(guarded)
         scratch = tempfile.mkdtemp(prefix="parakit-grading-")
         hidden = [parakit_dir(), str(course.solutions), str(course.root), str(submissions.resolve()),
-                  str(out.resolve()), str(REPO / "tests"), scratch]
+                  str(out.resolve()), scratch, *(str(REPO / d) for d in ("solutions", "autograde", "tests"))]
         tasks = [Task(student, assignment, str(path) if path else None, str(course.solutions / f"{assignment}.ipynb"),
                       str(released[assignment]), str(out), hidden, float(course.config.Execute.timeout),
                       course_salt(course.root), scratch)

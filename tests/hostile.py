@@ -96,10 +96,6 @@ def ring_all_reduce(tensor):
     "leaves_a_process": ("ring_all_reduce", f'''import os, subprocess
 def ring_all_reduce(tensor):
     subprocess.Popen(["sleep", "600"], env={{**os.environ, "{MARKER.split("=")[0]}": "1"}})
-    if os.fork() == 0:
-        os.environ["{MARKER.split("=")[0]}"] = "1"
-        import time
-        time.sleep(600)
 {RIGHT_RING}'''),
     "writes_the_course": ("all_reduce_two_phase", '''import parakit.grading, parakit.comm
 def all_reduce_two_phase(tensor):

@@ -155,8 +155,9 @@ def _reap() -> None:
             return
 
 
-def _children() -> list[int]:
-    me, found = os.getpid(), []
+def _descendants() -> list[int]:
+    """Every live process below this one (children, theirs, and orphans it adopted)."""
+    parents = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -164,19 +165,24 @@ def _children() -> list[int]:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[1]) == me and fields[0] not in "ZX":
-                found.append(int(entry))
+            if fields[0] not in "ZX":
+                parents[int(entry)] = int(fields[1])
+    found, frontier = [], [os.getpid()]
+    while frontier:
+        frontier = [pid for pid, parent in parents.items() if parent in frontier]
+        found += frontier
     return found
 
 
 def _kill_children() -> int:
-    """SIGKILL every child (forked or adopted) until none is left; how many there were."""
+    """SIGKILL every process below the zygote until none is left twice in a row; how many."""
     import signal
     import time
-    killed = set()
-    for _ in range(200):
-        alive = _children()
-        if not alive:
+    killed, empty = set(), 0
+    for _ in range(400):
+        alive = _descendants()
+        empty = 0 if alive else empty + 1
+        if empty == 2:
             break
         for pid in alive:
             killed.add(pid)
@@ -233,20 +239,25 @@ def _run(spec: dict) -> None:
     rank, world_size, job = spec["rank"], spec["world_size"], spec["job"]
     link = relay.connect(spec["path"], rank, spec["token"])
     dist.init_process_group(relay.BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
-    notify = lambda text: link.send({"note": "tripped: " + text})  # noqa: E731
-    namespace = NAMESPACE = {"__name__": "__main__", "__builtins__": __builtins__}
+
+    def seal():  # the instructor's setup has run; from the student's first line on:
+        for fn, message in cloudpickle.loads(job.forbid) if job.forbid else ():
+            jail.withhold(fn, message, lambda text: link.send({"note": "tripped: " + text}))
+        jail.lock(spec["scratch"], job.hidden)
+
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    if job.locked:  # a student's rank: its cells' names are what StudentName proxies become
+        NAMESPACE = namespace
+    sealed = not job.locked
     for index, (label, source, student) in enumerate(job.cells):
-        if student and job.locked:  # the instructor's setup ran; from the student's first line on:
-            if job.forbid:
-                for fn, message in cloudpickle.loads(job.forbid):
-                    jail.withhold(fn, message, notify)
-            jail.lock(spec["scratch"], job.hidden)
-            job.locked = False
+        if student and not sealed:
+            seal()
+            sealed = True
         error = _exec_cell(label, source, namespace, student)
         if job.report_cells:
             link.send({"note": f"cell {index} " + (f"error {error}" if error else "ok")})
-    if job.locked:  # a job with no student cell at all is locked all the same
-        jail.lock(spec["scratch"], job.hidden)
+    if not sealed:
+        seal()
     result = _call(job, rank, world_size, cloudpickle)
     try:
         header, payload = codec.encode(result)

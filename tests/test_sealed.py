@@ -1,0 +1,197 @@
+"""The sealed judge's parts, each on real processes: the plain-data codec, the relay that
+sees every message, the jail a student's rank runs in, and the withheld functions."""
+from __future__ import annotations
+
+import os
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+from parakit import comm
+from parakit.grading import codec, sandbox
+from parakit.grading.judge import JudgeConfig, Runner, StudentName
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this test file
+
+
+@pytest.fixture(scope="module")
+def runner():
+    runner = Runner(JudgeConfig(hidden=[os.path.dirname(comm.__file__)]))
+    yield runner
+    runner.close()
+
+
+def run(runner, fn, world_size=2, cells=(), locked=False, forbid=(), timeout=30.0):
+    """fn(rank) on fresh ranks after `cells` (student cells); the Run."""
+    job = sandbox.Job(cloudpickle.dumps((fn, [()])), True, [(f"<cell {i}>", c, True) for i, c in enumerate(cells)],
+                      cloudpickle.dumps(list(forbid)), locked, runner.config.hidden)
+    return runner.run(job, world_size, timeout)
+
+
+# ---------------------------------------------------------------------------- codec
+
+def test_codec_round_trips_plain_data_exactly():
+    value = {"a": [1, 2.5, float("nan")], (1, "k"): (torch.arange(6, dtype=torch.int16).view(2, 3),),
+             "p": torch.nn.Parameter(torch.randn(3)), "b": torch.tensor([True, False]), 7: torch.zeros(0, 2),
+             "bf": torch.randn(4).bfloat16()}
+    plain = {"s": ["x", None, True], "big": 2**70, "t": ((), [])}
+    back = codec.decode(*codec.encode({**value, **plain}))
+    assert type(back["p"]) is torch.nn.Parameter and type(back[(1, "k")][0]) is torch.Tensor
+    torch.testing.assert_close({k: back[k] for k in value}, value, equal_nan=True)
+    assert {k: back[k] for k in plain} == plain and back[7].shape == (0, 2)
+
+
+@pytest.mark.parametrize("value, named", [(torch.randn(2).as_subclass(torch.nn.Buffer), "torch.nn.parameter.Buffer"),
+                                          ({1, 2}, "builtins.set"), (object(), "builtins.object")])
+def test_codec_refuses_what_is_not_plain_data_naming_it(value, named):
+    with pytest.raises(codec.CodecError, match=f"the result\\[1\\] is a {named}: only None"):
+        codec.encode([0, value])
+
+
+@pytest.mark.parametrize("header, payload, why", [
+    ({"value": {"tensor": {"dtype": "float32", "shape": [4]}, "at": 0, "parameter": False}}, b"1234", "past the end"),
+    ({"value": {"tensor": {"dtype": "object", "shape": [1]}, "at": 0, "parameter": False}}, b"", "description"),
+    ({"value": {"pickle": "gASVIQAAAAAAAACMBXBvc2l4lIwGc3lzdGVtlJOUjAJsc5SFlFKULg=="}}, b"", "kind 'pickle'"),
+    ({"value": {"list": [{"list": []}] * 2}}, b"", None),
+    ({"nothing": 1}, b"", "no value"),
+])
+def test_codec_decodes_only_its_own_frames(header, payload, why):
+    if why is None:
+        assert codec.decode(header, payload) == [[], []]
+        return
+    with pytest.raises(codec.CodecError, match=why):
+        codec.decode(header, payload)
+
+
+# ---------------------------------------------------------------------------- relay
+
+def collectives(_=None):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x = torch.full((4,), float(rank))
+    dist.all_reduce(x)
+    out = torch.empty(2)
+    dist.reduce_scatter_single(out, torch.arange(4.0) * (rank + 1))
+    gathered = torch.empty(2 * n)
+    dist.all_gather_single(gathered, out)
+    if rank == 0:
+        dist.send(torch.ones(3), 1)
+    else:
+        got = torch.empty(3)
+        dist.recv(got, 0)
+    return [x, gathered]
+
+
+def test_relay_computes_collectives_and_records_every_call_with_its_bytes(runner):
+    result = run(runner, collectives)
+    assert result.failure is None
+    for rank in range(2):
+        x, gathered = result.values[rank][0]["value"]
+        assert x.tolist() == [1.0] * 4 and gathered.tolist() == [0.0, 3.0, 6.0, 9.0]
+    calls = [[(c.op, c.peer, c.nbytes, c.wire_bytes) for c in r] for r in result.calls]
+    assert calls[0] == [("all_reduce", None, 16, 16), ("reduce_scatter", None, 16, 8), ("all_gather", None, 8, 8),
+                        ("send", 1, 12, 12)]
+    assert calls[1][-1] == ("recv", 0, 12, 0)
+
+
+def test_relay_sees_the_process_groups_own_methods(runner):
+    result = run(runner, lambda: dist.group.WORLD.allreduce([torch.ones(2)]).wait())
+    assert [c.op for c in result.calls[0]] == ["all_reduce"]
+
+
+def test_relay_names_ranks_in_different_collectives_at_once(runner):
+    def mismatched():
+        x = torch.ones(1)
+        dist.all_reduce(x) if dist.get_rank() == 0 else dist.broadcast(x, 0)
+    result = run(runner, mismatched)
+    assert result.failure == "the ranks called different collectives at the same step: rank 0 all_reduce, rank 1 broadcast"
+
+
+def test_relay_reports_a_rank_waiting_on_one_that_returned(runner):
+    def waits():
+        if dist.get_rank() == 1:
+            dist.recv(torch.empty(1), 0)
+    result = run(runner, waits)
+    assert result.failure == "rank 1 waits in recv from rank 0, but rank 0 has already returned or died"
+
+
+def test_relay_reports_ranks_waiting_on_each_other_as_a_deadlock(runner):
+    def both_receive():
+        dist.recv(torch.empty(1), 1 - dist.get_rank())
+    result = run(runner, both_receive, timeout=30)
+    assert result.failure == "deadlock: rank 0 waits in recv from rank 1; rank 1 waits in recv from rank 0"
+
+
+# ---------------------------------------------------------------------------- jail and withheld functions
+
+ATTEMPTS = {
+    "start a process": "import subprocess\nsubprocess.run(['true'])",
+    "fork": "import os\nos.fork()",
+    "open a socket": "import socket\nsocket.socket()",
+    "write outside": "open('/tmp/parakit-sealed-escape', 'w').write('x')",
+    "read the course": f"open({comm.__file__!r}).read()",
+    "ctypes": "import ctypes\nctypes.pythonapi.Py_GetVersion()",
+    "new code": "def f():\n    pass\nf.__code__ = (lambda: 1).__code__",
+    "another process's memory": "open('/proc/1/environ').read()",
+}
+
+
+def test_a_locked_rank_is_refused_each_way_out_while_its_scratch_folder_works(runner):
+    cells = [("<scratch>", "open('mine.txt', 'w').write('ok')", True), *((k, v, True) for k, v in ATTEMPTS.items())]
+    job = sandbox.Job(cloudpickle.dumps((int, [])), True, cells, b"", True, runner.config.hidden, report_cells=True)
+    notes = runner.run(job, 1, 30).notes[0]
+    assert notes[0] == "cell 0 ok" and len(notes) == len(cells)
+    for what, note in zip(ATTEMPTS, notes[1:]):
+        assert "error Refused: a graded process may " in note, (what, note)
+    assert not os.path.exists("/tmp/parakit-sealed-escape")
+
+
+def borrow_every_way():
+    import importlib
+    import threading
+    seen = []
+    for call in (lambda: comm.ring_all_reduce(torch.ones(1)),
+                 lambda: importlib.import_module("parakit.comm").ring_all_reduce(torch.ones(1))):
+        box = []
+        thread = threading.Thread(target=lambda: box.append(_outcome(call)))
+        thread.start()
+        thread.join()
+        seen += [_outcome(call), box[0]]
+    return seen
+
+
+def _outcome(call):
+    try:
+        call()
+    except AssertionError as error:
+        return str(error)
+    return "ran"
+
+
+def test_a_withheld_function_trips_by_any_route_and_the_judge_hears_of_it(runner):
+    result = run(runner, borrow_every_way, world_size=1, locked=True,
+                 forbid=[(comm.ring_all_reduce, "you called it")])
+    assert result.values[0][0]["value"] == ["you called it"] * 4
+    assert result.notes[0] == ["tripped: you called it"] * 4
+
+
+def test_a_student_name_cannot_be_called_in_the_judge_and_resolves_in_a_students_rank(runner):
+    proxy = StudentName(("helper",))
+    with pytest.raises(RuntimeError, match="helper is the student's code: the sealed judge never runs it"):
+        proxy(1)
+    job = sandbox.Job(cloudpickle.dumps((lambda x: proxy(x) * 2, [(21,)])), True,
+                      [("<answer>", "def helper(x):\n    return x", True)], b"", True, runner.config.hidden)
+    assert runner.run(job, 1, 30).values[0] == [{"value": 42}]
+    reference = sandbox.Job(cloudpickle.dumps((lambda x: proxy(x), [(1,)])), True)
+    assert "only a student's process can run it" in runner.run(reference, 1, 30).values[0]["error"]
+
+
+def test_a_rank_that_leaves_a_process_behind_is_cleaned_up(runner, tmp_path):
+    pid_file = tmp_path / "orphan.pid"
+    cell = f"import os, time\nif os.fork() == 0:\n    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n" \
+           f"    time.sleep(300)\ntime.sleep(0.5)"
+    run(runner, lambda: None, world_size=1, cells=[cell])   # not locked: the fork succeeds
+    from conftest import wait_gone
+    assert pid_file.exists() and wait_gone([int(pid_file.read_text())], timeout=5) == []
