@@ -132,9 +132,13 @@ def ring_all_reduce(tensor):
 }
 
 
+USES_THE_RING = ["test_ring_bytes_per_rank"]  # checks the formula against the student's own ring
+
+
 def students(lesson: Path, solution: Path) -> list[panel.Student]:
     """One hostile student per attack; `replaces_the_checks` also hands in test-cell outputs
-    that say "passed", as its own kernel showed them, so the report must flag the disagreement."""
+    that say "passed", as its own kernel showed them, so the report must flag the disagreement.
+    An attack on the ring also costs the test that runs the student's ring."""
     full = panel.full_solution(panel.load(lesson), panel.load(solution))
     pts, groups = panel.points(panel.load(lesson)), panel.exercises(panel.load(lesson))
     made = []
@@ -147,5 +151,6 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
                     cell.execution_count = 1
                     cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="passed\n")]
             report = ["passed in the submitted notebook's own run but fails in the sealed grade"]
-        made.append(panel.Student(name, {lesson.name: nb}, {**pts, **{t: 0.0 for t in groups[answer]}}, report))
+        lost = groups[answer] + (USES_THE_RING if answer == "ring_all_reduce" else [])
+        made.append(panel.Student(name, {lesson.name: nb}, {**pts, **{t: 0.0 for t in lost}}, report))
     return made

@@ -70,7 +70,8 @@ def check(student: Callable, reference: Callable, make_inputs: Callable, *, worl
                 if isinstance(got, Tripwire):
                     raise Tripwire(f"rank {rank}: {got}")
                 compare_values(got, expected, f"{name} on {world_size} ranks, rank {rank}, trial {trial + 1} "
-                                        f"(seed {seed})", rtol, atol)
+                                              f"(seed {seed})", rtol, atol, world_size,
+                               [traffic for _, _, traffic in runs])
             if same_traffic:
                 compare_traffic([traffic for _, _, traffic in runs],
                                  f"{name} on {world_size} ranks, trial {trial + 1} (seed {seed})")
@@ -141,6 +142,7 @@ class Traffic:
     sent_to: frozenset
     received_from: frozenset
     bytes_sent: int
+    messages: int  # point-to-point sends
 
     @classmethod
     def of(cls, log: "comm.CommLog") -> "Traffic":
@@ -153,7 +155,7 @@ class Traffic:
         return cls(Counter(k for k in kinds if k not in ("send", "recv")),
                    frozenset(c.peer for c, k in zip(calls, kinds) if k == "send"),
                    frozenset(c.peer for c, k in zip(calls, kinds) if k == "recv"),
-                   sum(c.wire_bytes for c in calls))
+                   sum(c.wire_bytes for c in calls), kinds.count("send"))
 
 
 def kind_of(op: str) -> str:
@@ -217,10 +219,71 @@ def _trip_message(fn, forbidden, why) -> str:
     return f"{getattr(fn, '__name__', 'your function')} called {where}, which this exercise forbids: {why}"
 
 
-def compare_values(got, expected, what: str, rtol, atol) -> None:
+def compare_values(got, expected, what: str, rtol, atol, parts: int | None = None,
+                   traffic: list[tuple[Traffic, Traffic]] | None = None) -> None:
+    """Raise AssertionError unless `got` equals `expected` (type, dtype, shape, values to
+    rtol/atol), saying where they differ: the item, the first element, the chunk when a
+    tensor is cut in `parts` pieces (one per rank), and how each rank's messages differ
+    from the reference's when `traffic` (mine, theirs per rank) is given."""
     if type(got) is not type(expected):
         raise AssertionError(f"{what}: returned a {type(got).__name__}, expected a {type(expected).__name__}")
     try:
         torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
     except AssertionError as error:
-        raise AssertionError(f"{what}: {error}") from None
+        where = _first_difference(got, expected, rtol, atol, parts) or str(error).splitlines()[0]
+        raise AssertionError(f"{what}: {where}{_traffic_difference(traffic or [])}") from None
+
+
+_TOLERANCE = {torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float32: (1.3e-6, 1e-5),
+              torch.float64: (1e-7, 1e-7)}
+
+
+def _first_difference(got, expected, rtol, atol, parts, path: str = "") -> str | None:
+    """The first place two nested values differ, in words (None where they do not, or it cannot tell)."""
+    if isinstance(got, (list, tuple)) and isinstance(expected, (list, tuple)):
+        if len(got) != len(expected):
+            return f"{path or 'the result'} has {len(got)} items, the reference's {len(expected)}"
+        for i, (a, b) in enumerate(zip(got, expected)):
+            found = _first_difference(a, b, rtol, atol, parts, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    if isinstance(got, dict) and isinstance(expected, dict):
+        for key in expected:
+            found = _first_difference(got.get(key), expected[key], rtol, atol, parts, f"{path}[{key!r}]")
+            if found:
+                return found
+        return None
+    if not (isinstance(got, torch.Tensor) and isinstance(expected, torch.Tensor)):
+        return None if got == expected else f"{path or 'the result'} is {got!r}, the reference's {expected!r}"
+    item = f"item {path}: " if path else ""
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return f"{item}a {got.dtype} tensor of shape {list(got.shape)}, the reference's a {expected.dtype} of " \
+               f"shape {list(expected.shape)}"
+    a, b = got.detach().cpu().reshape(-1), expected.detach().cpu().reshape(-1)
+    if a.is_floating_point():
+        r, t = _TOLERANCE.get(a.dtype, (0, 0))
+        wrong = ~torch.isclose(a, b, rtol=rtol if rtol is not None else r, atol=atol if atol is not None else t,
+                               equal_nan=True)
+    else:
+        wrong = a != b
+    index = wrong.nonzero().flatten().tolist()
+    if not index:
+        return None
+    first = list(torch.unravel_index(torch.tensor(index[0]), expected.shape)) if expected.dim() else []
+    text = (f"{item}{len(index)} of {a.numel()} elements differ, the first at {[int(i) for i in first]} "
+            f"(got {a[index[0]].item():.6g}, expected {b[index[0]].item():.6g})")
+    if parts and parts > 1 and a.numel() >= parts:
+        bounds = torch.tensor([len(c) for c in a.tensor_split(parts)]).cumsum(0)
+        chunks = sorted({int(torch.searchsorted(bounds, i, right=True)) for i in index})
+        text += f"; they lie in chunk{'s' if len(chunks) > 1 else ''} {', '.join(map(str, chunks))} of {parts} " \
+                f"(the flattened tensor cut in one chunk per rank)"
+    return text
+
+
+def _traffic_difference(traffic: list[tuple[Traffic, Traffic]]) -> str:
+    lines = [f"rank {rank} sent {mine.messages} message{'s' if mine.messages != 1 else ''} "
+             f"({mine.bytes_sent:,} bytes); the reference sends {theirs.messages} ({theirs.bytes_sent:,} bytes)"
+             for rank, (mine, theirs) in enumerate(traffic)
+             if (mine.messages, mine.bytes_sent) != (theirs.messages, theirs.bytes_sent)]
+    return ". How it communicated: " + "; ".join(lines) if lines else ""

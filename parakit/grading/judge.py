@@ -316,13 +316,14 @@ class Sealed:
                 where = f"{name} on {world_size} ranks, trial {trial + 1}"
                 _raise_failures(mine, theirs, where)
                 _raise_forbidden(mine, theirs, forbid, name)
+                traffic = [(Traffic.of_calls(a), Traffic.of_calls(b)) for a, b in zip(mine.calls, theirs.calls)]
                 for rank, (got, expected) in enumerate(zip(mine.values, theirs.values)):
                     got = _outcome(got)
                     _raise_error(got, f"{where}, rank {rank}")
-                    compare_values(got["value"], expected["value"], f"{where}, rank {rank} (seed {seed})", rtol, atol)
+                    compare_values(got["value"], expected["value"], f"{where}, rank {rank} (seed {seed})", rtol, atol,
+                                   world_size, traffic)
                 if same_traffic:
-                    compare_traffic([(Traffic.of_calls(a), Traffic.of_calls(b)) for a, b in zip(mine.calls, theirs.calls)],
-                                     f"{where} (seed {seed})")
+                    compare_traffic(traffic, f"{where} (seed {seed})")
 
     def check_local(self, student, reference, cases, *, forbid=None, rtol=None, atol=None, quiet=False) -> None:
         from parakit.grading import compare_values

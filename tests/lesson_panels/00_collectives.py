@@ -29,8 +29,8 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     tripwires); `all_reduce_in_ring` calls dist.all_reduce inside the ring and loses that
     exercise only. The kernel hangs in the bytes exercise and dies in the two-phase one; in
     `rank_fails` a rank dies inside the ring and the two-phase all-reduce deadlocks (a rank
-    receives what nobody sends), each found by parakit's launcher within seconds, and the
-    bytes exercise is still graded. Then the hostile students of tests/hostile.py, each 0 on
+    receives what nobody sends), each found within seconds. Both lose the bytes exercise too:
+    it checks the formula against the bytes the student's own ring sends. Then the hostile students of tests/hostile.py, each 0 on
     the exercise it attacks."""
     full = panel.full_solution(panel.load(lesson), panel.load(solution))
     name, pts = lesson.name, panel.points(panel.load(lesson))
@@ -58,9 +58,10 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
         lesson, solution, hang_in="ring_bytes_per_rank", crash_in="all_reduce_two_phase",
         hardcoded=cheats, hardcoded_expected=dict.fromkeys(pts, 0.0), borrowed=borrowed,
         extra=[panel.Student("all_reduce_in_ring", {name: panel.with_sources(full, all_reduce_in_ring)},
-                             {**pts, "test_ring_all_reduce": 0.0}),
+                             {**pts, "test_ring_all_reduce": 0.0, "test_ring_bytes_per_rank": 0.0}),
                panel.Student("rank_fails", {name: panel.with_sources(full, rank_fails)},
-                             {**pts, "test_ring_all_reduce": 0.0, "test_all_reduce_two_phase": 0.0}),
+                             {**pts, "test_ring_all_reduce": 0.0, "test_all_reduce_two_phase": 0.0,
+                              "test_ring_bytes_per_rank": 0.0}),
                *hostile.students(lesson, solution)])
 
 
