@@ -5,9 +5,9 @@ judge against nbgrader's in-kernel autograde of the same notebook, and a class's
 
 Measured:
   - per lesson, one submission (every answer taken from the solution): the wall time of
-    `autograde.course.grade` (sealed: release, judge start, every test; nothing else is
-    graded) and of nbgrader's autograde of the same notebook in one kernel
-    (`autograde.course.grade_in_kernel`, after the same release), and their ratio;
+    `autograde.course.grade` (sealed: nbgrader's release, the judge's start, every test) and
+    of what `grade` did before: the same release, then nbgrader's autograde of the notebook
+    in one kernel (`autograde.course.grade_in_kernel`); and their ratio;
   - the class: `--class-size` copies of lesson 00's full submission graded with --jobs 1
     and --jobs 2, in notebooks per minute.
 Bar (issue 14): sealed at most 1.5x in-kernel for each lesson. Printed with PASS or FAIL;
@@ -70,9 +70,9 @@ def sealed_seconds(tmp: Path, name: str, students: int = 1, jobs: int = 1) -> fl
 
 def in_kernel_seconds(tmp: Path, name: str) -> float:
     solutions, submissions = setup(tmp, name, 1)
+    start = time.perf_counter()
     grader = course.Course(root=tmp / "course", solutions=solutions)
     released = grader.release()
-    start = time.perf_counter()
     result = course.grade_in_kernel(grader, "student0", name, submissions / "student0" / f"{name}.ipynb",
                                     nbformat.read(released[name], as_version=4))
     seconds = time.perf_counter() - start

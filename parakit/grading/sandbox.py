@@ -73,14 +73,20 @@ class Zygote:
         env = {**os.environ, "PYTHONHASHSEED": "0", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "parakit.grading.sandbox"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, start_new_session=True)
-        self._expect("ready")
+        self.ready = False  # it imports while the caller goes on: several zygotes start at once
 
     def fork(self, spec: dict) -> int:
         """Fork a child that runs `spec` (see `_child`); its pid."""
+        if not self.ready:
+            self._expect("ready")
+            self.ready = True
         return int(self._ask({"fork": spec}))
 
     def sweep(self) -> int:
         """Kill every process the zygote has forked or adopted; how many were alive."""
+        if not self.ready:
+            self._expect("ready")
+            self.ready = True
         return int(self._ask({"sweep": True}))
 
     def close(self) -> None:
@@ -121,6 +127,7 @@ def _zygote_main() -> None:
     import parakit
     for module in pkgutil.walk_packages(parakit.__path__, "parakit."):
         importlib.import_module(module.name)
+    _warm_up()
     signal.signal(signal.SIGCHLD, lambda *_: _reap())
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     stdout.write(b"ready\n")
@@ -143,6 +150,27 @@ def _zygote_main() -> None:
                 _child(message["fork"])
         stdout.write(f"{answer}\n".encode())
         stdout.flush()
+
+
+WARM_MODULES = ("torch.distributed.fsdp", "torch.distributed.optim", "torch.distributed.pipelining",
+                "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.distributed.nn",
+                "torch.utils.checkpoint", "matplotlib.pyplot")
+
+
+def _warm_up() -> None:
+    """Pay here, once, for what torch imports lazily on first use (an optimizer's first step
+    pulls in some 800 modules, 0.7 s) and for the modules the lessons' checks name, so that
+    a rank forked from the zygote does not pay it again."""
+    import importlib
+
+    import torch
+    for name in WARM_MODULES:
+        importlib.import_module(name)
+    model = torch.nn.Linear(2, 2)
+    for optimizer in (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                      torch.optim.AdamW(model.parameters(), lr=0.1)):
+        model(torch.randn(1, 2)).square().sum().backward()
+        optimizer.step()
 
 
 def _reap() -> None:
