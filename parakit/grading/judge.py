@@ -20,6 +20,7 @@ import builtins
 import contextlib
 import difflib
 import hashlib
+import io
 import os
 import random
 import secrets
@@ -487,7 +488,8 @@ class Judge:
             torch.manual_seed(seed)
             grading.SEALED[:] = [sealed]
             try:
-                exec(compile(python_source(cell.source), f"<test {gid}>", "exec"), namespace)
+                with contextlib.redirect_stdout(io.StringIO()):  # what a test cell prints is for the student's kernel
+                    exec(compile(python_source(cell.source), f"<test {gid}>", "exec"), namespace)
                 verdicts.append(Verdict(gid, self.points[gid], self.points[gid]))
             except Exception as error:  # noqa: BLE001: any failure of a test cell fails it
                 verdicts.append(Verdict(gid, 0.0, self.points[gid], f"{type(error).__name__}: {error}"[:3000]))
