@@ -18,7 +18,6 @@ import argparse
 import csv
 import difflib
 import html
-import json
 import logging
 import os
 import re
@@ -26,11 +25,9 @@ import shutil
 import sys
 import tempfile
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
-from nbgrader import utils as nbg_utils
 from nbgrader.api import Gradebook, MissingEntry
 from nbgrader.apps.api import NbGraderAPI
 from nbgrader.coursedir import CourseDirectory

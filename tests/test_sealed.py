@@ -190,8 +190,9 @@ def test_a_student_name_cannot_be_called_in_the_judge_and_resolves_in_a_students
 
 def test_a_rank_that_leaves_a_process_behind_is_cleaned_up(runner, tmp_path):
     pid_file = tmp_path / "orphan.pid"
-    cell = f"import os, time\nif os.fork() == 0:\n    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n" \
-           f"    time.sleep(300)\ntime.sleep(0.5)"
+    cell = (f"import os, time\nif os.fork() == 0:\n    open('pid', 'w').write(str(os.getpid()))\n"
+            f"    os.rename('pid', {str(pid_file)!r})\n    time.sleep(300)\n"
+            f"while not os.path.exists({str(pid_file)!r}):\n    time.sleep(0.01)")
     run(runner, lambda: None, world_size=1, cells=[cell])   # not locked: the fork succeeds
     from conftest import wait_gone
     assert pid_file.exists() and wait_gone([int(pid_file.read_text())], timeout=5) == []

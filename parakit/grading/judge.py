@@ -29,13 +29,11 @@ import symtable
 import tempfile
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 import cloudpickle
 import torch
 
-from parakit import comm
 from parakit.grading import codec, sandbox
 from parakit.grading.jail import Tripwire
 from parakit.grading.relay import Broker, Call
@@ -170,10 +168,9 @@ class Runner:
     def close(self):
         self.zygote.close()
 
-    def run(self, job: sandbox.Job, world_size: int, timeout: float,
-            progress: list | None = None) -> Run:
-        """`job` on `world_size` new ranks; at most `timeout` s (with `progress`, a list of
-        the notes seen so far, the timeout counts from the last note)."""
+    def run(self, job: sandbox.Job, world_size: int, timeout: float, per_note: bool = False) -> Run:
+        """`job` on `world_size` new ranks; at most `timeout` s (with `per_note`, counted
+        from the last note a rank sent: a cell's time, for a job that reports its cells)."""
         folder = tempfile.mkdtemp(prefix="sealed-", dir=self.config.scratch)
         try:
             tokens = [secrets.token_hex(16) for _ in range(world_size)]
@@ -184,7 +181,7 @@ class Runner:
                 os.mkdir(scratch)
                 pids.append(self.zygote.fork({"rank": rank, "world_size": world_size, "path": broker.server.getsockname(),
                                               "token": tokens[rank], "scratch": scratch, "job": job}))
-            clock = _Clock(timeout, broker, progress)
+            clock = _Clock(timeout, broker, per_note)
             broker.serve(lambda: len(broker.results) == world_size or clock.expired(), _IdleWatch(pids))
             self.zygote.sweep()
             broker.close()
@@ -201,16 +198,13 @@ class Runner:
 
 
 class _Clock:
-    def __init__(self, timeout, broker, progress):
-        self.timeout, self.broker, self.progress = timeout, broker, progress
+    def __init__(self, timeout, broker, per_note):
+        self.timeout, self.broker, self.per_note = timeout, broker, per_note
         self.start, self.seen = time.monotonic(), 0
 
     def expired(self) -> bool:
-        if self.progress is not None:
-            notes = self.broker.notes.get(0, [])
-            if len(notes) != self.seen:
-                self.seen, self.start = len(notes), time.monotonic()
-                self.progress[:] = list(notes)
+        if self.per_note and len(self.broker.notes.get(0, [])) != self.seen:
+            self.seen, self.start = len(self.broker.notes[0]), time.monotonic()
         return time.monotonic() - self.start > self.timeout
 
 
@@ -304,7 +298,7 @@ class Sealed:
         return student, sandbox.Job(call_reference, local)
 
     def check(self, student, reference, make_inputs, *, world_sizes=(2, 4), trials=2, forbid=None,
-              timeout=60.0, rtol=None, atol=None, same_traffic=False, quiet=False) -> None:
+              timeout=60.0, rtol=None, atol=None, same_traffic=False) -> None:
         from parakit.grading import Traffic, compare_traffic, compare_values
         name, forbid = getattr(student, "__name__", "your function"), forbid or {}
         self.references.append(reference)
@@ -326,7 +320,7 @@ class Sealed:
                 if same_traffic:
                     compare_traffic(traffic, f"{where} (seed {seed})")
 
-    def check_local(self, student, reference, cases, *, forbid=None, rtol=None, atol=None, quiet=False) -> None:
+    def check_local(self, student, reference, cases, *, forbid=None, rtol=None, atol=None) -> None:
         from parakit.grading import compare_values
         name, forbid, cases = getattr(student, "__name__", "your function"), forbid or {}, list(cases)
         self.references.append(reference)
@@ -444,7 +438,7 @@ class Judge:
             kept = [(i, c) for i, c in enumerate(cells) if i not in skipped]
             job = sandbox.Job(cloudpickle.dumps((int, [])), True, [c for _, c in kept], b"", True,
                               self.config.hidden, report_cells=True)
-            run = runner.run(job, 1, self.config.cell_timeout, progress=[])
+            run = runner.run(job, 1, self.config.cell_timeout, per_note=True)
             done = sum(1 for n in run.notes[0] if n.startswith("cell "))
             if run.failure is None or done >= len(kept):
                 break
