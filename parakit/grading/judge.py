@@ -8,7 +8,7 @@ and `check_local` do not call anything: each run of the student's function happe
 fresh ranks forked by a zygote (`sandbox`), which run the instructor's setup and the
 student's cells, with the exercise's forbidden functions withheld and the process locked
 (`jail`); the reference runs the same way on other fresh ranks with no student code. Both
-talk only through the judge's broker (`relay`), which records every call they make, and
+talk only through the judge's broker (`relay`, `broker`), which records every call they make, and
 send back plain data (`codec`). Values, traffic, forbidden calls: all compared here.
 
     judge = Judge(solution_nb, config); verdicts = judge.grade(submission_nb)
@@ -21,94 +21,19 @@ import contextlib
 import difflib
 import hashlib
 import io
-import os
 import random
-import secrets
-import shutil
-import symtable
-import tempfile
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import cloudpickle
 import torch
 
-from parakit.grading import codec, sandbox
+from parakit.grading import sandbox
 from parakit.grading.jail import Tripwire
-from parakit.grading.relay import Broker, Call
+from parakit.grading.notebook import defined_names, meta, parse, python_source, setup_statements, shape, signature, used_names
+from parakit.grading.runs import JudgeConfig, Run, Runner, outcome
 
-__all__ = ["Judge", "JudgeConfig", "Verdict", "StudentName"]
-
-
-# ---------------------------------------------------------------------------- the notebook
-
-def python_source(source: str) -> str:
-    """A cell's source as plain Python (IPython's magics and shell lines made calls)."""
-    from IPython.core.inputtransformer2 import TransformerManager
-    return TransformerManager().transform_cell(source)
-
-
-def meta(cell) -> dict:
-    return cell.get("metadata", {}).get("nbgrader", {})
-
-
-def defined_names(tree: ast.AST) -> set[str]:
-    """Names a module's top-level statements bind."""
-    names = set()
-    for stmt in getattr(tree, "body", []):
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(stmt.name)
-        elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in stmt.names)
-        elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.With, ast.For)):
-            targets = stmt.targets if isinstance(stmt, ast.Assign) else [getattr(stmt, "target", None)]
-            for target in targets:
-                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name)) if target else None
-    return names
-
-
-def used_names(tree: ast.AST) -> set[str]:
-    """Names a module's code reads from its globals and does not bind itself first:
-    names read at top level, and the globals its functions and classes read."""
-    try:
-        table = symtable.symtable(ast.unparse(tree), "<cell>", "exec")
-    except SyntaxError:
-        return set()
-    bound = {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
-    names = {s.get_name() for s in table.get_symbols() if s.is_referenced()}
-    stack = list(table.get_children())
-    while stack:
-        child = stack.pop()
-        stack.extend(child.get_children())
-        names |= {s.get_name() for s in child.get_symbols() if s.is_referenced() and s.is_global()}
-    return names - bound
-
-
-def parse(source: str) -> ast.Module:
-    try:
-        return ast.parse(python_source(source))
-    except SyntaxError:
-        return ast.Module(body=[], type_ignores=[])
-
-
-def setup_statements(cells, needed: set[str]) -> list[tuple[int, str]]:
-    """(cell index, source) of the instructor's statements the tests and answers need:
-    every import, and the functions, classes and assignments that bind a name they use,
-    transitively. Everything else (demos, plots, launches) is left out."""
-    statements = [(i, j, s) for i, tree in cells for j, s in enumerate(tree.body)]
-    chosen = {(i, j) for i, j, s in statements if isinstance(s, (ast.Import, ast.ImportFrom))}
-    binders = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign)
-    wanted, grew = set(needed), True
-    while grew:
-        grew = False
-        for i, j, stmt in statements:
-            if (i, j) not in chosen and isinstance(stmt, binders) \
-                    and defined_names(ast.Module(body=[stmt], type_ignores=[])) & wanted:
-                chosen.add((i, j))
-                wanted |= used_names(ast.Module(body=[stmt], type_ignores=[]))
-                grew = True
-    return [(i, ast.unparse(s)) for i, j, s in statements if (i, j) in chosen]
+__all__ = ["Judge", "JudgeConfig", "Verdict", "StudentName", "Runner"]
 
 
 class StudentName:
@@ -134,128 +59,6 @@ class StudentName:
 
     def __repr__(self):
         return f"<student's {'.'.join(self._path)}>"
-
-
-# ---------------------------------------------------------------------------- runs
-
-@dataclass
-class JudgeConfig:
-    """How the judge runs: per-cell timeout, the course's folders a student's rank may not
-    read, where scratch folders go, and the salt that makes inputs unguessable."""
-
-    cell_timeout: float = 300.0
-    hidden: list[str] = field(default_factory=list)
-    scratch: str | None = None
-    salt: str = "parakit"
-
-
-@dataclass
-class Run:
-    """What came back from one run on fresh ranks."""
-
-    values: list[dict | None]       # per rank: {"value": ...} or {"error": text, "tripwire": bool}, or None
-    calls: list[list[Call]]
-    notes: list[list[str]]
-    failure: str | None = None
-
-
-class Runner:
-    """Runs jobs on fresh ranks of one zygote, each job with its own broker."""
-
-    def __init__(self, config: JudgeConfig):
-        self.config, self.zygote = config, sandbox.Zygote()
-
-    def close(self):
-        self.zygote.close()
-
-    def run(self, job: sandbox.Job, world_size: int, timeout: float, per_note: bool = False) -> Run:
-        """`job` on `world_size` new ranks; at most `timeout` s (with `per_note`, counted
-        from the last note a rank sent: a cell's time, for a job that reports its cells)."""
-        folder = tempfile.mkdtemp(prefix="sealed-", dir=self.config.scratch)
-        try:
-            tokens = [secrets.token_hex(16) for _ in range(world_size)]
-            broker = Broker(os.path.join(folder, "broker"), tokens)
-            pids = []
-            for rank in range(world_size):
-                scratch = os.path.join(folder, f"rank{rank}")
-                os.mkdir(scratch)
-                pids.append(self.zygote.fork({"rank": rank, "world_size": world_size, "path": broker.server.getsockname(),
-                                              "token": tokens[rank], "scratch": scratch, "job": job}))
-            clock = _Clock(timeout, broker, per_note)
-            broker.serve(lambda: len(broker.results) == world_size or clock.expired(), _IdleWatch(pids))
-            self.zygote.sweep()
-            broker.close()
-            values = [_decode(broker.results.get(r)) for r in range(world_size)]
-            failure = broker.failure
-            if failure is None and clock.expired() and None in values:
-                failure = f"did not finish within {timeout:g} s"
-            for rank, value in enumerate(values):
-                if value is None and failure is None:
-                    failure = f"rank {rank} ended without a result: its process died{_tail(folder, rank)}"
-            return Run(values, broker.calls, [broker.notes.get(r, []) for r in range(world_size)], failure)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-class _Clock:
-    def __init__(self, timeout, broker, per_note):
-        self.timeout, self.broker, self.per_note = timeout, broker, per_note
-        self.start, self.seen = time.monotonic(), 0
-
-    def expired(self) -> bool:
-        if self.per_note and len(self.broker.notes.get(0, [])) != self.seen:
-            self.seen, self.start = len(self.broker.notes[0]), time.monotonic()
-        return time.monotonic() - self.start > self.timeout
-
-
-class _IdleWatch:
-    """Which ranks used no CPU since the last look (read from /proc by the judge)."""
-
-    def __init__(self, pids):
-        self.pids, self.last = pids, {}
-
-    def __call__(self) -> set[int]:
-        idle = set()
-        for rank, pid in enumerate(self.pids):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                ticks = int(fields[11]) + int(fields[12])
-            except (OSError, IndexError, ValueError):
-                idle.add(rank)
-                continue
-            if self.last.get(rank) == ticks:
-                idle.add(rank)
-            self.last[rank] = ticks
-        return idle
-
-
-def _decode(frame):
-    """A rank's result frame as plain data (None: no frame)."""
-    if frame is None:
-        return None
-    try:
-        return codec.decode(*frame)
-    except codec.CodecError as error:
-        return {"error": f"its result could not be read as plain data ({error})", "tripwire": False}
-
-
-def _outcome(value) -> dict:
-    """{"value": ...} or {"error": text, "tripwire": bool}, whatever a rank sent."""
-    if isinstance(value, dict) and set(value) == {"value"}:
-        return value
-    if isinstance(value, dict) and set(value) == {"error", "tripwire"} and isinstance(value["error"], str):
-        return {"error": value["error"], "tripwire": value["tripwire"] is True}
-    return {"error": "it sent back something the grader did not make", "tripwire": False}
-
-
-def _tail(folder: str, rank: int) -> str:
-    try:
-        with open(os.path.join(folder, f"rank{rank}", f"rank{rank}.log"), errors="replace") as f:
-            lines = [l.rstrip() for l in f.read()[-3000:].splitlines() if l.strip()]
-    except OSError:
-        return ""
-    return (": " + " | ".join(lines[-4:]))[:600] if lines else " (os._exit, a crash or out of memory)"
 
 
 # ---------------------------------------------------------------------------- the checks
@@ -313,7 +116,7 @@ class Sealed:
                 _raise_forbidden(mine, theirs, forbid, name)
                 traffic = [(Traffic.of_calls(a), Traffic.of_calls(b)) for a, b in zip(mine.calls, theirs.calls)]
                 for rank, (got, expected) in enumerate(zip(mine.values, theirs.values)):
-                    got = _outcome(got)
+                    got = outcome(got)
                     _raise_error(got, f"{where}, rank {rank}")
                     compare_values(got["value"], expected["value"], f"{where}, rank {rank} (seed {seed})", rtol, atol,
                                    world_size, traffic)
@@ -330,11 +133,11 @@ class Sealed:
         _raise_forbidden(mine, theirs, forbid, name)
         got_all = mine.values[0]
         if not isinstance(got_all, list) or len(got_all) != len(cases):
-            _raise_error(_outcome(got_all), name)
+            _raise_error(outcome(got_all), name)
             raise AssertionError(f"{name}: sent back {type(got_all).__name__}, not one result per case")
         for case, got, expected in zip(cases, got_all, theirs.values[0]):
             where = f"{name}{_short(case)}"
-            got = _outcome(got)
+            got = outcome(got)
             _raise_error(got, where)
             compare_values(got["value"], expected["value"], where, rtol, atol)
 
@@ -501,11 +304,11 @@ class Judge:
             if not isinstance(want, (ast.FunctionDef, ast.ClassDef)):
                 continue
             got = mine.get(want.name)
-            expected = f"{'class' if isinstance(want, ast.ClassDef) else 'def'} {want.name}{_signature(want)}"
+            expected = f"{'class' if isinstance(want, ast.ClassDef) else 'def'} {want.name}{signature(want)}"
             if got is None:
                 lines.append(f"{gid}: the answer cell does not define {want.name} (expected {expected})")
-            elif isinstance(want, ast.FunctionDef) and _signature(got) != _signature(want):
-                lines.append(f"{gid}: {want.name} is defined as {want.name}{_signature(got)}; expected {expected}")
+            elif isinstance(want, ast.FunctionDef) and signature(got) != signature(want):
+                lines.append(f"{gid}: {want.name} is defined as {want.name}{signature(got)}; expected {expected}")
         return lines
 
     def copies(self, answers: dict[str, str], references) -> list[str]:
@@ -526,33 +329,3 @@ class Judge:
             if best >= 0.8:
                 lines.append(f"{gid}: close to the reference's code (similarity {best:.2f}): copied? (reported, not scored)")
         return lines
-
-
-def _signature(node) -> str:
-    """`(a, b=...)` of a def: the names of its parameters, in order ("" for a class)."""
-    if not isinstance(node, ast.FunctionDef):
-        return ""
-    a = node.args
-    names = [x.arg for x in a.posonlyargs + a.args] + ([f"*{a.vararg.arg}"] if a.vararg else []) \
-        + [x.arg for x in a.kwonlyargs] + ([f"**{a.kwarg.arg}"] if a.kwarg else [])
-    return f"({', '.join(names)})"
-
-
-def shape(source: str) -> list[str]:
-    """The tokens of a source's syntax tree with names, strings and numbers blanked and
-    docstrings dropped: two answers that differ only in naming have the same shape."""
-    try:
-        tree = ast.parse(python_source(source))
-    except SyntaxError:
-        return []
-    tokens = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-            continue
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            continue
-        if isinstance(node, ast.Attribute):
-            tokens.append(f".{node.attr}")
-        elif not isinstance(node, (ast.Name, ast.arg, ast.Load, ast.Store, ast.Constant, ast.alias, ast.arguments)):
-            tokens.append(type(node).__name__)
-    return tokens

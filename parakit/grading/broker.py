@@ -1,0 +1,341 @@
+"""The judge's end of the relay: every message of a sealed run's ranks comes here.
+
+The `Broker` listens on a Unix socket for the ranks of one run, each proving its rank with
+a token. It matches their requests (a send with its recv, the n-th collective of a group
+on every member), computes each collective itself, answers each rank with the bytes of its
+outputs, and keeps, per rank, the list of calls it made (`Call`). Calls that cannot all
+complete end the run with the reason: ranks in different collectives, a rank waiting on
+one that has returned or died, or every live rank waiting, idle, on the others.
+
+    broker = Broker(path, tokens); broker.serve(done, idle_ranks); broker.calls[rank] -> [Call, ...]
+"""
+from __future__ import annotations
+
+import selectors
+import socket
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+import torch
+
+from parakit import comm
+from parakit.grading.codec import DTYPES, CodecError, recv_frame, send_frame, tensor_bytes, tensor_from, tensor_meta
+
+__all__ = ["Broker", "Call", "REDUCE"]
+
+REDUCE = {"SUM": torch.sum, "AVG": torch.mean, "PRODUCT": torch.prod,
+          "MIN": lambda x, dim: x.amin(dim), "MAX": lambda x, dim: x.amax(dim)}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call a rank made, as the broker saw it: `nbytes` counts the tensors the rank
+    passed in (for recv the buffer it asked for), `wire_bytes` what it sends in a ring
+    (comm's model: the relay moves the bytes itself, so this is what gloo's ring would send)."""
+
+    op: str
+    ranks: tuple[int, ...]
+    peer: int | None
+    root: int | None
+    nbytes: int
+    wire_bytes: int
+
+
+@dataclass
+class _Request:
+    rank: int
+    rid: int
+    header: dict
+    inputs: list[torch.Tensor]
+
+
+class Broker:
+    """Listens on a Unix socket for `world_size` ranks (each proving its rank with its
+    token), serves their calls and records them. `run(until)` serves until `until()` is true,
+    every rank has hung up, or the calls cannot complete (then `failure` says why)."""
+
+    def __init__(self, path: str, tokens: list[str]):
+        self.tokens, self.world_size = tokens, len(tokens)
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(path)
+        self.server.listen(len(tokens) + 4)
+        self.calls: list[list[Call]] = [[] for _ in tokens]
+        self.results: dict[int, tuple[dict, bytes]] = {}
+        self.notes: dict[int, list[str]] = defaultdict(list)
+        self.failure: str | None = None
+        self.gone: set[int] = set()
+        self._socks: dict[int, socket.socket] = {}
+        self._mail: dict[tuple, deque] = defaultdict(deque)   # (src, dst, tag) -> sent payloads
+        self._wanted: dict[tuple, deque] = defaultdict(deque)  # (src, dst, tag) -> waiting recvs
+        self._slots: dict[tuple, dict[int, _Request]] = {}      # (ranks, n) -> member -> request
+        self._seq: dict[tuple, int] = defaultdict(int)          # (rank, ranks) -> collectives made
+        self._waiting: dict[int, dict[int, tuple]] = defaultdict(dict)  # rank -> request id -> (what, key)
+        self.last_activity = time.monotonic()
+
+    # -- serving
+    def serve(self, done, idle_ranks=lambda: set(), quiet: float = 2.0) -> None:
+        """Serve until done() (checked every 50 ms), the calls fail, or every rank hung up.
+        `idle_ranks()` names the ranks using no CPU: when every rank still connected waits,
+        idle, on calls nothing can complete for `quiet` s, the run fails as a deadlock."""
+        sel = selectors.DefaultSelector()
+        sel.register(self.server, selectors.EVENT_READ, None)
+        try:
+            while self.failure is None and not done():
+                for key, _ in sel.select(timeout=0.05):
+                    if key.data is None:
+                        sock, _ = self.server.accept()
+                        sel.register(sock, selectors.EVENT_READ, [None])
+                    else:
+                        self._on_readable(sel, key)
+                if len(self.gone) == self.world_size:
+                    break
+                self._check_stuck(idle_ranks, quiet)
+        finally:
+            sel.close()
+
+    def close(self) -> None:
+        for sock in [self.server, *self._socks.values()]:
+            sock.close()
+
+    def _on_readable(self, sel, key) -> None:
+        sock, state = key.fileobj, key.data
+        try:
+            frame = recv_frame(sock)
+        except (CodecError, OSError) as error:
+            frame = None
+            if state[0] is not None:
+                self.notes[state[0]].append(f"its connection to the judge broke: {error}")
+        if frame is None:
+            sel.unregister(sock)
+            sock.close()
+            if state[0] is not None:
+                self._hung_up(state[0])
+            return
+        self.last_activity = time.monotonic()
+        header, payload = frame
+        if state[0] is None:
+            rank = header.get("hello")
+            if type(rank) is int and 0 <= rank < self.world_size and header.get("token") == self.tokens[rank] \
+                    and rank not in self._socks:
+                state[0] = rank
+                self._socks[rank] = sock
+            else:
+                sel.unregister(sock)
+                sock.close()
+            return
+        try:
+            self._on_frame(state[0], header, payload)
+        except (CodecError, KeyError, TypeError, ValueError, IndexError, RuntimeError) as error:
+            self.failure = f"rank {state[0]} sent a malformed call ({type(error).__name__}: {error})"
+
+    def _on_frame(self, rank: int, header: dict, payload: bytes) -> None:
+        if "result" in header:
+            if rank not in self.results:
+                self.results[rank] = (header["result"], payload)
+            return
+        if "note" in header:
+            self.notes[rank].append(str(header["note"])[:2000])
+            return
+        inputs, start = [], 0
+        for meta in header["inputs"]:
+            t = tensor_from(meta, payload, start)
+            inputs.append(t)
+            start += t.numel() * t.element_size()
+        request = _Request(rank, int(header["id"]), header, inputs)
+        ranks = tuple(int(r) for r in header["ranks"])
+        if rank not in ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
+            raise ValueError(f"group {list(ranks)} does not hold rank {rank}")
+        op = header["op"]
+        self._record(rank, op, ranks, header, inputs)
+        if op == "send":
+            self._send(request, int(header["peer"]), int(header.get("tag", 0)))
+        elif op == "recv":
+            self._recv(request, int(header["peer"]), int(header.get("tag", 0)))
+        elif op in _COLLECTIVES:
+            self._join(request, ranks)
+        else:
+            raise ValueError(f"unknown op {op!r}")
+
+    def _record(self, rank, op, ranks, header, inputs) -> None:
+        nbytes = sum(t.numel() * t.element_size() for t in inputs)
+        if op in ("recv", "broadcast"):
+            nbytes = sum(_meta_bytes(m) for m in header["outputs"])
+        if op in ("all_gather", "gather"):
+            nbytes = sum(t.numel() * t.element_size() for t in inputs[:1])
+        n, me = len(ranks), ranks.index(rank)
+        root = header.get("root")
+        peer = header.get("peer")
+        model = comm.ring_bytes(op, nbytes, n, me, root)
+        self.calls[rank].append(Call(op, ranks, peer, root, nbytes, model))
+
+    # -- point to point
+    def _send(self, request: _Request, dst: int, tag: int) -> None:
+        key = (request.rank, dst, tag)
+        self._answer(request, [])
+        if self._wanted[key]:
+            self._deliver(self._wanted[key].popleft(), request.inputs)
+        else:
+            self._mail[key].append(request.inputs)
+
+    def _recv(self, request: _Request, src: int, tag: int) -> None:
+        key = (src, request.rank, tag)
+        if self._mail[key]:
+            self._deliver(request, self._mail[key].popleft())
+        else:
+            self._wanted[key].append(request)
+            self._waiting[request.rank][request.rid] = (f"recv from rank {src}", ("recv", src))
+
+    def _deliver(self, request: _Request, tensors: list[torch.Tensor]) -> None:
+        shapes = [_meta_numel(m) for m in request.header["outputs"]]
+        if [t.numel() for t in tensors] != shapes:
+            self.failure = (f"rank {request.rank} receives {shapes} elements from rank {request.header['peer']}, "
+                            f"which sent {[t.numel() for t in tensors]}")
+            return
+        self._answer(request, tensors)
+
+    # -- collectives
+    def _join(self, request: _Request, ranks: tuple) -> None:
+        seq = self._seq[(request.rank, ranks)]
+        self._seq[(request.rank, ranks)] += 1
+        slot = self._slots.setdefault((ranks, seq), {})
+        slot[request.rank] = request
+        self._waiting[request.rank][request.rid] = (f"{request.header['op']} #{seq + 1} of group {list(ranks)}",
+                                                    ("collective", ranks, seq))
+        if len(slot) == len(ranks):
+            del self._slots[(ranks, seq)]
+            self._complete([slot[r] for r in ranks])
+
+    def _complete(self, members: list[_Request]) -> None:
+        ops = {m.header["op"] for m in members}
+        if len(ops) > 1:
+            self.failure = "the ranks called different collectives at the same step: " + ", ".join(
+                f"rank {m.rank} {m.header['op']}" for m in members)
+            return
+        op = ops.pop()
+        try:
+            outputs = _COLLECTIVES[op](members)
+        except (RuntimeError, ValueError, IndexError) as error:
+            self.failure = f"the ranks' {op} calls do not fit together: {error}"
+            return
+        for member, out in zip(members, outputs):
+            self._answer(member, out)
+
+    def _answer(self, request: _Request, tensors: list[torch.Tensor]) -> None:
+        self._waiting[request.rank].pop(request.rid, None)
+        metas = request.header["outputs"]
+        if len(tensors) != len(metas) or any(t.numel() != _meta_numel(m) for t, m in zip(tensors, metas)):
+            self.failure = (f"rank {request.rank}'s {request.header['op']} expects outputs of "
+                            f"{[_meta_numel(m) for m in metas]} elements; the call makes {[t.numel() for t in tensors]}")
+            return
+        outs = [t.to(_dtype(m)).reshape(-1) for t, m in zip(tensors, metas)]
+        sock = self._socks.get(request.rank)
+        if sock is None:
+            return
+        try:
+            send_frame(sock, {"id": request.rid, "outputs": [tensor_meta(t) for t in outs]},
+                       b"".join(tensor_bytes(t) for t in outs))
+        except OSError:
+            pass
+
+    # -- failure
+    def _hung_up(self, rank: int) -> None:
+        self.gone.add(rank)
+        self._waiting.pop(rank, None)
+
+    def _check_stuck(self, idle_ranks, quiet: float) -> None:
+        """A waiting rank whose peer (or a member of its collective) has hung up can never
+        go on; neither can ranks that all wait, idle, with nothing moving."""
+        for rank, waits in list(self._waiting.items()):
+            for what, key in waits.values():
+                for other in self._needed_by(key):
+                    if other in self.gone:
+                        self.failure = f"rank {rank} waits in {what}, but rank {other} has already returned or died"
+                        return
+        live = [r for r in range(self.world_size) if r not in self.gone and r in self._socks]
+        waiting = [r for r in live if self._waiting.get(r)]
+        if live and waiting == live and time.monotonic() - self.last_activity > quiet \
+                and set(live) <= idle_ranks():
+            self.failure = "deadlock: " + "; ".join(
+                f"rank {r} waits in {', '.join(what for what, _ in self._waiting[r].values())}" for r in live)
+
+    def _needed_by(self, key: tuple) -> list[int]:
+        """The ranks that have yet to call for this wait to end."""
+        if key[0] == "recv":
+            return [key[1]]
+        _, ranks, seq = key
+        joined = self._slots.get((ranks, seq), {})
+        return [r for r in ranks if r not in joined]
+
+
+def _dtype(meta):
+    return DTYPES[meta["dtype"]]
+
+
+def _meta_numel(meta) -> int:
+    n = 1
+    for s in meta["shape"]:
+        n *= int(s)
+    return n
+
+
+def _meta_bytes(meta) -> int:
+    return _meta_numel(meta) * _dtype(meta).itemsize
+
+
+def _stack(tensors):
+    return torch.stack([t.reshape(-1) for t in tensors])
+
+
+def _reduce(tensors, name):
+    stacked = _stack(tensors)
+    if name == "AVG" and not stacked.is_floating_point():
+        raise ValueError("AVG of integer tensors")
+    return REDUCE[name](stacked, dim=0)
+
+
+def _all_reduce(members):
+    n = len(members[0].inputs)
+    sums = [_reduce([m.inputs[i] for m in members], members[0].header["reduce"]) for i in range(n)]
+    return [sums for _ in members]
+
+
+def _broadcast(members):
+    root = members[0].header["root"]
+    return [members[root].inputs for _ in members]
+
+
+def _reduce_to_root(members):
+    root = members[0].header["root"]
+    total = _all_reduce(members)[0]
+    return [total if i == root else [] for i in range(len(members))]
+
+
+def _all_gather(members):
+    pieces = [m.inputs[0] for m in members]
+    return [pieces for _ in members]
+
+
+def _reduce_scatter(members):
+    name = members[0].header["reduce"]
+    return [[_reduce([m.inputs[i] for m in members], name)] for i in range(len(members))]
+
+
+def _all_to_all(members):
+    return [[m.inputs[i] for m in members] for i in range(len(members))]
+
+
+def _gather(members):
+    root = members[0].header["root"]
+    pieces = [m.inputs[0] for m in members]
+    return [pieces if i == root else [] for i in range(len(members))]
+
+
+def _scatter(members):
+    root = members[0].header["root"]
+    return [[members[root].inputs[i]] for i in range(len(members))]
+
+
+_COLLECTIVES = {"all_reduce": _all_reduce, "broadcast": _broadcast, "reduce": _reduce_to_root,
+                "all_gather": _all_gather, "reduce_scatter": _reduce_scatter, "all_to_all": _all_to_all,
+                "gather": _gather, "scatter": _scatter, "barrier": lambda members: [[] for _ in members]}

@@ -1,0 +1,140 @@
+"""Runs of a job on fresh ranks, and what comes back from them.
+
+`Runner(config)` owns one zygote; `run(job, world_size, timeout)` forks the ranks, serves
+their calls through a new broker until each has sent its result (or the calls fail, or the
+time is up), kills every process left and returns a `Run`: each rank's result decoded as
+plain data, the calls the broker saw, the notes the ranks sent, and why it failed.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from parakit.grading import codec, sandbox
+from parakit.grading.broker import Broker, Call
+
+__all__ = ["JudgeConfig", "Run", "Runner", "outcome"]
+
+
+@dataclass
+class JudgeConfig:
+    """How the judge runs: per-cell timeout, the course's folders a student's rank may not
+    read, where scratch folders go, and the salt that makes inputs unguessable."""
+
+    cell_timeout: float = 300.0
+    hidden: list[str] = field(default_factory=list)
+    scratch: str | None = None
+    salt: str = "parakit"
+
+
+@dataclass
+class Run:
+    """What came back from one run on fresh ranks."""
+
+    values: list[dict | None]       # per rank: {"value": ...} or {"error": text, "tripwire": bool}, or None
+    calls: list[list[Call]]
+    notes: list[list[str]]
+    failure: str | None = None
+
+
+class Runner:
+    """Runs jobs on fresh ranks of one zygote, each job with its own broker."""
+
+    def __init__(self, config: JudgeConfig):
+        self.config, self.zygote = config, sandbox.Zygote()
+
+    def close(self):
+        self.zygote.close()
+
+    def run(self, job: sandbox.Job, world_size: int, timeout: float, per_note: bool = False) -> Run:
+        """`job` on `world_size` new ranks; at most `timeout` s (with `per_note`, counted
+        from the last note a rank sent: a cell's time, for a job that reports its cells)."""
+        folder = tempfile.mkdtemp(prefix="sealed-", dir=self.config.scratch)
+        try:
+            tokens = [secrets.token_hex(16) for _ in range(world_size)]
+            broker = Broker(os.path.join(folder, "broker"), tokens)
+            pids = []
+            for rank in range(world_size):
+                scratch = os.path.join(folder, f"rank{rank}")
+                os.mkdir(scratch)
+                pids.append(self.zygote.fork({"rank": rank, "world_size": world_size, "path": broker.server.getsockname(),
+                                              "token": tokens[rank], "scratch": scratch, "job": job}))
+            clock = _Clock(timeout, broker, per_note)
+            broker.serve(lambda: len(broker.results) == world_size or clock.expired(), _IdleWatch(pids))
+            self.zygote.sweep()
+            broker.close()
+            values = [_decode(broker.results.get(r)) for r in range(world_size)]
+            failure = broker.failure
+            if failure is None and clock.expired() and None in values:
+                failure = f"did not finish within {timeout:g} s"
+            for rank, value in enumerate(values):
+                if value is None and failure is None:
+                    failure = f"rank {rank} ended without a result: its process died{_tail(folder, rank)}"
+            return Run(values, broker.calls, [broker.notes.get(r, []) for r in range(world_size)], failure)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+class _Clock:
+    def __init__(self, timeout, broker, per_note):
+        self.timeout, self.broker, self.per_note = timeout, broker, per_note
+        self.start, self.seen = time.monotonic(), 0
+
+    def expired(self) -> bool:
+        if self.per_note and len(self.broker.notes.get(0, [])) != self.seen:
+            self.seen, self.start = len(self.broker.notes[0]), time.monotonic()
+        return time.monotonic() - self.start > self.timeout
+
+
+class _IdleWatch:
+    """Which ranks used no CPU since the last look (read from /proc by the judge)."""
+
+    def __init__(self, pids):
+        self.pids, self.last = pids, {}
+
+    def __call__(self) -> set[int]:
+        idle = set()
+        for rank, pid in enumerate(self.pids):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                ticks = int(fields[11]) + int(fields[12])
+            except (OSError, IndexError, ValueError):
+                idle.add(rank)
+                continue
+            if self.last.get(rank) == ticks:
+                idle.add(rank)
+            self.last[rank] = ticks
+        return idle
+
+
+def _decode(frame):
+    """A rank's result frame as plain data (None: no frame)."""
+    if frame is None:
+        return None
+    try:
+        return codec.decode(*frame)
+    except codec.CodecError as error:
+        return {"error": f"its result could not be read as plain data ({error})", "tripwire": False}
+
+
+def outcome(value) -> dict:
+    """{"value": ...} or {"error": text, "tripwire": bool}, whatever a rank sent."""
+    if isinstance(value, dict) and set(value) == {"value"}:
+        return value
+    if isinstance(value, dict) and set(value) == {"error", "tripwire"} and isinstance(value["error"], str):
+        return {"error": value["error"], "tripwire": value["tripwire"] is True}
+    return {"error": "it sent back something the grader did not make", "tripwire": False}
+
+
+def _tail(folder: str, rank: int) -> str:
+    try:
+        with open(os.path.join(folder, f"rank{rank}", f"rank{rank}.log"), errors="replace") as f:
+            lines = [l.rstrip() for l in f.read()[-3000:].splitlines() if l.strip()]
+    except OSError:
+        return ""
+    return (": " + " | ".join(lines[-4:]))[:600] if lines else " (os._exit, a crash or out of memory)"
