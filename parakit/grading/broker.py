@@ -51,9 +51,10 @@ class _Request:
 
 
 class Broker:
-    """Listens on a Unix socket for `world_size` ranks (each proving its rank with its
-    token), serves their calls and records them. `run(until)` serves until `until()` is true,
-    every rank has hung up, or the calls cannot complete (then `failure` says why)."""
+    """Listens on a Unix socket for one rank per token (each proving its rank with its
+    token), serves their calls and records them. `serve(done, idle_ranks)` serves until
+    `done()` is true, every rank has hung up, or the calls cannot complete (then `failure`
+    says why)."""
 
     def __init__(self, path: str, tokens: list[str]):
         self.tokens, self.world_size = tokens, len(tokens)
