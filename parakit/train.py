@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -26,12 +25,13 @@ from torch import nn
 
 from parakit.checkpoint import segment_sizes
 from parakit.ddp import BucketedDDP
-from parakit.devices import device, select_backend
+from parakit.devices import device
 from parakit.mesh import Mesh
 from parakit.pipeline import dp_pp_step, split_stages
 from parakit.tensor_parallel import ParallelTransformerBlock
+from parakit.torchrun import process_group
 
-__all__ = ["parse_args", "build_model", "train", "node_backend", "main"]
+__all__ = ["parse_args", "build_model", "train", "main"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -160,33 +160,16 @@ def _load(folder: Path, stage, optimizer, mesh: Mesh) -> int:
     return state["step"]
 
 
-def node_backend(backend: str, local_world_size: int, gpus: int, nccl_built: bool) -> str:
-    """The launcher's rule on one node: NCCL needs a GPU for each of the node's ranks
-    (torchrun's LOCAL_WORLD_SIZE); "auto" falls back to gloo, "nccl" is refused."""
-    try:
-        return select_backend(backend, local_world_size, gpus, nccl_built)
-    except ValueError as error:
-        raise ValueError(f"on this node (LOCAL_WORLD_SIZE={local_world_size}): {error}") from None
-
-
 def main(argv=None) -> list[float]:
     """Entry point under torchrun (or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
     args = parse_args(argv)
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = node_backend(args.backend, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), gpus, dist.is_nccl_available())
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
-    try:
+    with process_group(args.backend):
         losses = train(args)
         if dist.get_rank() == 0:
             print("\n".join(f"step {n} loss {loss:.8f}" for n, loss in enumerate(losses, 1)), flush=True)
         if args.losses_to and dist.get_rank() == 0:
             args.losses_to.write_text(json.dumps(losses))
         return losses
-    finally:
-        dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()

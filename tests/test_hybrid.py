@@ -164,12 +164,12 @@ def test_a_batch_that_does_not_split_across_replicas_and_microbatches_is_refused
     ("gloo", 4, 8, True, "gloo"), ("nccl", 4, 4, True, "nccl")])
 def test_trainer_picks_nccl_only_with_a_gpu_for_every_rank_on_its_node(backend, local_world_size, gpus, nccl_built,
                                                                         chosen):
-    from parakit.train import node_backend
+    from parakit.torchrun import node_backend
     assert node_backend(backend, local_world_size, gpus, nccl_built) == chosen
 
 
 def test_trainer_refuses_nccl_with_fewer_gpus_than_ranks_on_its_node():
-    from parakit.train import node_backend
+    from parakit.torchrun import node_backend
     with pytest.raises(ValueError, match=r"^on this node \(LOCAL_WORLD_SIZE=4\): backend 'nccl' needs one GPU per rank: "
                                          r"world_size=4 but 2 GPU\(s\) are visible; use backend='gloo'"):
         node_backend("nccl", 4, 2, True)

@@ -16,7 +16,7 @@ LAYERS = {
     "technique": ("parakit.dp", "parakit.ddp", "parakit.zero", "parakit.pipeline", "parakit.checkpoint",
                   "parakit.tensor_parallel", "parakit.parallel3d", "parakit.mesh"),
     "top": ("parakit", "parakit.launcher", "parakit._worker", "parakit.magic", "parakit.grading", "parakit.viz",
-            "parakit.train"),
+            "parakit.train", "parakit.torchrun", "parakit.side_by_side"),
 }
 ORDER = list(LAYERS)
 

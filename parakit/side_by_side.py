@@ -1,0 +1,162 @@
+"""A technique two ways on the same ranks: parakit's (or yours) and PyTorch's own API.
+
+Every lesson ends with the API its technique has in PyTorch. The lesson writes that code as
+a script from a cell (`%%writefile with_pytorch_02.py`), so the same file runs on the
+notebook's ranks and, unchanged, under torchrun on a box with GPUs:
+
+    torch_ddp = side_by_side.load_script("with_pytorch_02.py")   # a module; its __main__ block does not run
+    both = side_by_side.compare({"parakit": ours, "PyTorch": torch_ddp.step}, *inputs, world_size=2)
+    both.check()      # every rank's results equal, version against version
+    print(both)       # per rank: collectives, bytes written, peak memory, seconds
+    parakit.torchrun.run("with_pytorch_02.py", nproc_per_node=2)      # the same file under torchrun
+
+Both versions are measured by the same meter. Collectives are counted where PyTorch
+dispatches them (its `CommDebugMode`), which sees the ones DDP's reducer issues from C++ and
+the ones DTensor issues as functional collectives, not only calls of `torch.distributed`'s
+Python functions (parakit's `CommLog` sees those alone); sends and receives, which
+CommDebugMode skips, are counted by `CommLog`. Bytes are what the OS counted the
+rank writing while the step ran (gloo on CPU; None under NCCL, whose transfers it cannot
+see). Nothing here communicates beyond what the measured functions do, plus one barrier
+before each measured call so that no rank's clock starts while another is still busy.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from parakit.comm import CommLog
+from parakit.devices import MemoryMeter
+from parakit.launcher import launch
+
+__all__ = ["Measured", "Comparison", "measure", "compare", "load_script", "available"]
+
+
+@dataclass
+class Measured:
+    """One rank's run of one version: what it returned and what it cost."""
+
+    result: object
+    collectives: dict[str, int]  # op -> calls: collectives as PyTorch dispatched them ("allreduce"), sends and receives as called ("isend")
+    written: int | None  # bytes the OS counted the rank writing during the call; None where it cannot (NCCL)
+    peak: int | None  # peak bytes of the tensors made during the call (None when not measured)
+    seconds: float
+
+
+def measure(fn, *args, memory: bool = True) -> Measured:
+    """Run `fn(*args)` on this rank and measure it; collective: every rank of the default
+    group must call it (it starts with a barrier)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    dist.barrier()
+    counter = CommDebugMode()
+    meter = MemoryMeter() if memory else None
+    with CommLog() as log, counter:
+        start = time.perf_counter()
+        if meter is None:
+            result = fn(*args)
+        else:
+            with meter:
+                result = fn(*args)
+        seconds = time.perf_counter() - start
+    counts = Counter(r.op for r in log.records if r.peer is not None)  # point-to-point: CommDebugMode skips them
+    for op, n in counter.get_comm_counts().items():
+        counts[_op_name(op)] += n
+    return Measured(result, dict(counts), log.written_bytes(), meter.peaks()[0] if meter else None, seconds)
+
+
+def _op_name(op) -> str:
+    """'c10d.allreduce_' and 'c10d_functional.all_reduce' -> 'allreduce'; '_allgather_base_' -> 'allgather'."""
+    name = str(op).rsplit(".", 1)[-1].strip("_")
+    name = name.removesuffix("_base").removesuffix("_into_tensor").removesuffix("_coalesced")
+    return name.replace("all_", "all").replace("reduce_scatter", "reducescatter")
+
+
+class Comparison:
+    """The runs of several versions on the same ranks: `runs[name][rank]` is a Measured."""
+
+    def __init__(self, runs: dict[str, list[Measured]]):
+        self.runs = runs
+
+    def check(self, rtol: float = 1.3e-6, atol: float = 1e-5) -> None:
+        """Raise AssertionError, naming the version, rank and item, unless every version's
+        results equal the first version's on every rank (tensors to rtol/atol, the rest exactly)."""
+        (first, reference), *others = self.runs.items()
+        for name, runs in others:
+            for rank, (mine, theirs) in enumerate(zip(runs, reference)):
+                try:
+                    torch.testing.assert_close(mine.result, theirs.result, rtol=rtol, atol=atol, equal_nan=True)
+                except AssertionError as error:
+                    raise AssertionError(f"{name} differs from {first} on rank {rank}: {error}") from None
+
+    def rows(self) -> list[dict]:
+        """One row per version and rank: collectives, bytes written, peak bytes, milliseconds."""
+        return [{"version": name, "rank": rank,
+                 "collectives": ", ".join(f"{op} x{n}" for op, n in sorted(m.collectives.items())) or "none",
+                 "bytes written": m.written, "peak bytes": m.peak, "ms": round(1000 * m.seconds, 1)}
+                for name, runs in self.runs.items() for rank, m in enumerate(runs)]
+
+    def __str__(self) -> str:
+        rows = self.rows()
+        columns = list(rows[0])
+        cells = [[_cell(row[c]) for c in columns] for row in rows]
+        widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def compare(versions: dict, *args, world_size: int, memory: bool = True, backend: str = "auto",
+            timeout: float | None = None) -> Comparison:
+    """Run each version (a function run on every rank with `*args`) on the same
+    `world_size` ranks, one after the other, each measured by `measure`."""
+    if len(versions) < 2:
+        raise ValueError(f"compare needs at least two versions to set side by side, got {list(versions)}")
+    options = {} if timeout is None else {"timeout": timeout}
+    runs = {name: launch(_measured, fn, args, memory, world_size=world_size, backend=backend, **options)
+            for name, fn in versions.items()}
+    return Comparison(runs)
+
+
+def _measured(fn, args, memory):
+    return measure(fn, *args, memory=memory)
+
+
+def load_script(path) -> "types.ModuleType":
+    """The script at `path` (one a cell wrote with %%writefile) as a module: it runs, except
+    its `if __name__ == "__main__":` block. Its functions and classes travel to the ranks by
+    value, so ranks always run the file's text as it was when this was called."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no script at {path.resolve()}: run the %%writefile cell that writes it first")
+    name = path.stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    cloudpickle.register_pickle_by_value(module)
+    return module
+
+
+def available(api: str, gpus: int = 0) -> bool:
+    """Whether `api`, which needs `gpus` CUDA GPUs (0: runs on CPU), can run here; if not,
+    print one line saying it is skipped and what it would need."""
+    if torch.cuda.device_count() >= gpus:
+        return True
+    print(f"skipped: {api} needs {gpus} CUDA GPU{'s' if gpus != 1 else ''}, "
+          f"this machine has {torch.cuda.device_count()}")
+    return False

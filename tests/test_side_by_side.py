@@ -1,0 +1,135 @@
+"""The "with PyTorch" sections' tools, and every lesson's PyTorch script on 2 and 4 ranks.
+
+Each solution notebook ends with a cell that writes `with_pytorch_NN.py` (%%writefile); the
+script's `main()` runs PyTorch's API, checks it against one process and returns the largest
+difference. nbval runs each lesson on 2 ranks; here every script runs on each world size it
+lists in WORLD_SIZES.
+"""
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import parakit
+from conftest import REPO
+from parakit import side_by_side, torchrun
+
+SCRIPT_MAGIC = "%%writefile "
+
+
+def lesson_scripts() -> list[tuple[str, str, str]]:
+    """(notebook, script file name, script text) for every %%writefile with_pytorch_* cell."""
+    found = []
+    for notebook in sorted((REPO / "solutions").glob("*.ipynb")):
+        for cell in json.loads(notebook.read_text())["cells"]:
+            source = "".join(cell["source"])
+            if cell["cell_type"] == "code" and source.startswith(SCRIPT_MAGIC + "with_pytorch_"):
+                first, _, body = source.partition("\n")
+                found.append((notebook.stem, first.removeprefix(SCRIPT_MAGIC).strip(), body))
+    return found
+
+
+def test_every_lesson_from_01_has_a_pytorch_script():
+    lessons = {notebook for notebook, _, _ in lesson_scripts()}
+    expected = {p.stem for p in (REPO / "solutions").glob("*.ipynb") if not p.stem.startswith("00")}
+    assert expected <= lessons, f"lessons without a with_pytorch_*.py script: {sorted(expected - lessons)}"
+
+
+@pytest.mark.parametrize("notebook,name,text", lesson_scripts(), ids=[s[1] for s in lesson_scripts()])
+def test_lesson_script_matches_one_process(tmp_path, notebook, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    script = side_by_side.load_script(path)
+    assert script.WORLD_SIZES, f"{name} lists no world sizes"
+    for world_size in script.WORLD_SIZES:
+        differences = parakit.launch(script.main, world_size=world_size)
+        assert all(d <= script.TOLERANCE for d in differences), (world_size, differences)
+
+
+# ----------------------------------------------------------------------- the tools themselves
+
+def by_ring(x):
+    return parakit.ring_all_reduce(x.clone())
+
+
+def by_torch(x):
+    y = x.clone()
+    dist.all_reduce(y)
+    return y
+
+
+def off_by_rank(x):
+    return by_torch(x) + (dist.get_rank() == 1)
+
+
+def test_compare_runs_both_versions_on_the_same_ranks_and_counts_their_calls():
+    x = torch.randn(1000)
+    both = side_by_side.compare({"ring": by_ring, "torch": by_torch}, x, world_size=2)
+    both.check()
+    for rank in range(2):
+        torch.testing.assert_close(both.runs["torch"][rank].result, x * 2)
+        assert both.runs["torch"][rank].collectives == {"allreduce": 1}
+        assert both.runs["ring"][rank].collectives == {"isend": 2, "recv": 2}  # 2(n-1) steps, one of each
+        ring_model = 2 * (2 - 1) * x.nbytes // 2
+        assert both.runs["ring"][rank].written >= ring_model   # the OS sees the payload, plus headers
+        assert both.runs["torch"][rank].peak >= x.nbytes      # the clone
+    table = str(both)
+    assert "allreduce x1" in table and "isend x2, recv x2" in table
+
+
+def test_check_names_the_version_and_rank_that_differ():
+    both = side_by_side.compare({"torch": by_torch, "off": off_by_rank}, torch.randn(10), world_size=2, memory=False)
+    with pytest.raises(AssertionError, match="off differs from torch on rank 1"):
+        both.check()
+
+
+def test_compare_needs_two_versions():
+    with pytest.raises(ValueError, match="at least two versions"):
+        side_by_side.compare({"torch": by_torch}, torch.randn(3), world_size=2)
+
+
+def test_a_loaded_script_runs_its_current_text_on_the_ranks(tmp_path):
+    path = tmp_path / "with_pytorch_probe.py"
+    for value in (1, 2):  # the same pool both times: ranks must not keep the first module
+        path.write_text(f"VALUE = {value}\n\ndef answer():\n    return VALUE\n\nif __name__ == '__main__':\n    raise SystemExit\n")
+        assert parakit.launch(side_by_side.load_script(path).answer, world_size=2) == [value, value]
+
+
+def test_load_script_says_which_cell_to_run(tmp_path):
+    with pytest.raises(FileNotFoundError, match="run the %%writefile cell"):
+        side_by_side.load_script(tmp_path / "missing.py")
+
+
+def test_available_prints_one_line_for_what_cannot_run(capsys):
+    needed = torch.cuda.device_count() + 1
+    assert side_by_side.available("context_parallel", gpus=needed) is False
+    gpus = "GPU" if needed == 1 else "GPUs"
+    assert capsys.readouterr().out == f"skipped: context_parallel needs {needed} CUDA {gpus}, this machine has {needed - 1}\n"
+    assert side_by_side.available("DistributedDataParallel") is True
+
+
+def test_torchrun_runs_a_script_on_two_processes(tmp_path, capsys):
+    script = tmp_path / "hello.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from parakit.torchrun import process_group
+        with process_group():
+            x = torch.tensor([dist.get_rank() + 1.0])
+            dist.all_reduce(x)
+            print(f"rank {dist.get_rank()} of {dist.get_world_size()} on {dist.get_backend()}: sum {x.item():.0f}")
+    """))
+    output = torchrun.run(script, 2)
+    assert "rank 0 of 2 on gloo: sum 3" in output and "rank 1 of 2 on gloo: sum 3" in output
+    assert capsys.readouterr().out.startswith("$ torchrun --standalone --nproc-per-node=2 ")
+
+
+def test_torchrun_failure_raises_with_its_output(tmp_path, capsys):
+    script = tmp_path / "broken.py"
+    script.write_text("raise ValueError('the script failed here')\n")
+    with pytest.raises(RuntimeError, match="torchrun exited with"):
+        torchrun.run(script, 2)
+    assert "the script failed here" in capsys.readouterr().out
