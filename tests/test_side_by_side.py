@@ -3,7 +3,7 @@
 Each solution notebook ends with a cell that writes `with_pytorch_NN.py` (%%writefile); the
 script's `main()` runs PyTorch's API, checks it against one process and returns the largest
 difference. nbval runs each lesson on 2 ranks; here every script runs on each world size it
-lists in WORLD_SIZES.
+lists in WORLD_SIZES, and once under torchrun on 2 processes, as a student would run it.
 """
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ def test_lesson_script_matches_one_process(tmp_path, notebook, name, text):
     for world_size in script.WORLD_SIZES:
         differences = parakit.launch(script.main, world_size=world_size)
         assert all(d <= script.TOLERANCE for d in differences), (world_size, differences)
+    torchrun.run(path, 2)  # unchanged, as a student runs it on a box of their own
 
 
 # ----------------------------------------------------------------------- the tools themselves
