@@ -17,6 +17,7 @@ from parakit import CommLog
 from parakit.ddp import BucketedDDP
 from parakit.pipeline import (activation_shapes, build_schedule, dp_pp_step, pipeline_step, run_schedule, simulate,
                               split_microbatches, split_stages)
+from parakit.pipeline.schedules import rank_of
 
 HIDDEN = 8
 
@@ -46,14 +47,15 @@ def steps_on_ranks(cases):
 def assert_equal_to_one_process(results, cases, p):
     for c, (model, balance, x, y, schedule, m) in enumerate(cases):
         loss, grads = reference(model, x, y)
-        stages = len(balance)
+        stages, placement = len(balance), "v" if schedule == "zbv" else "loop"
         for rank in range(p):
             got_loss, got = results[rank][c]
-            if rank == (stages - 1) % p:
+            if rank == rank_of(stages - 1, p, placement):
                 torch.testing.assert_close(got_loss, loss)
             else:
                 assert got_loss is None
-            mine = {id(q) for s in split_stages(model, balance)[rank::p] for q in s.parameters()}
+            mine = {id(q) for s, stage in enumerate(split_stages(model, balance)) if rank_of(s, p, placement) == rank
+                    for q in stage.parameters()}
             for q, g_ref, g in zip(model.parameters(), grads, got):
                 if id(q) in mine:
                     torch.testing.assert_close(g, g_ref, msg=lambda e: f"{schedule} p={p} m={m} rank {rank}: {e}")
@@ -65,8 +67,8 @@ def assert_equal_to_one_process(results, cases, p):
 def test_every_schedule_gives_each_stage_the_gradients_of_one_process(p):
     seed = int(torch.randint(2**31, ()))
     cases = []
-    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
-        for m in (p, 2 * p, 4 * p):
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zbh2", 1), ("zbv", 2)):
+        for m in ((2 * p, 4 * p) if schedule == "zbh2" else (p, 2 * p, 4 * p)):  # ZB-H2 needs 2p-1
             model = mlp(p * v, seed + m)
             cases.append((model, [1] * (p * v), torch.randn(4 * m, HIDDEN), torch.randn(4 * m, HIDDEN), schedule, m))
     cases.append((mlp(2 * p, seed), [2] * p, torch.randn(6, HIDDEN), torch.randn(6, HIDDEN), "gpipe", 3))  # m not a multiple of p
@@ -84,14 +86,15 @@ def measured_run(schedule_name, p, m, v=1):
     x, y = torch.randn(2 * m, HIDDEN), torch.randn(2 * m, HIDDEN)
     mbs, tgts = split_microbatches(x, m), split_microbatches(y, m)
     with CommLog() as log:
-        run = run_schedule(schedule, {s: stages[s] for s in range(rank, p * v, p)}, mbs, tgts, F.mse_loss,
+        run = run_schedule(schedule, {s: stages[s] for s in schedule.stages_of(rank)}, mbs, tgts, F.mse_loss,
                            activation_shapes(stages, mbs[0]))
     sends = [(r.op, r.nbytes, r.peer) for r in log.records if r.op == "isend"]
     recvs = [(r.op, r.nbytes, r.peer) for r in log.records if r.op == "irecv"]
     return sends, recvs, log.count(), run.peak_activations, [e.action for e in run.events]
 
 
-@pytest.mark.parametrize("name,p,m,v", [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2)])
+@pytest.mark.parametrize("name,p,m,v", [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2),
+                                        ("zbh1", 4, 8, 1), ("zbv", 2, 4, 2)])
 def test_runtime_sends_what_the_schedule_names_and_holds_the_simulated_peak(name, p, m, v):
     results = parakit.launch(measured_run, name, p, m, v, world_size=p)
     schedule = build_schedule(name, p, m, v)

@@ -1,7 +1,10 @@
 """What a pipeline schedule is made of: typed actions, one per compute or message.
 
     F       forward of micro-batch i on stage s
-    B       backward of micro-batch i on stage s
+    B       backward of micro-batch i on stage s: the whole backward, or, in a schedule that
+            also has W actions (zero bubble), only the gradient of the stage's input, which
+            the previous stage waits for
+    W       the gradient of stage s's weights for micro-batch i, which nobody waits for
     SEND_F  send stage s's activation of micro-batch i to the rank of stage s+1
     RECV_F  receive stage s's input activation of micro-batch i from the rank of stage s-1
     SEND_B  send stage s's input gradient of micro-batch i to the rank of stage s-1
@@ -23,6 +26,7 @@ class Op(enum.StrEnum):
 
     F = "F"
     B = "B"
+    W = "W"
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
@@ -30,11 +34,13 @@ class Op(enum.StrEnum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Op.F, Op.B)
+        return self in (Op.F, Op.B, Op.W)
 
     @property
     def compute(self) -> Op:
-        """The F or B this op runs, or whose result it carries."""
+        """The F, B or W this op runs, or the F or B whose result it carries."""
+        if self is Op.W:
+            return Op.W
         return Op.F if self in (Op.F, Op.SEND_F, Op.RECV_F) else Op.B
 
     @property
@@ -49,8 +55,9 @@ class Op(enum.StrEnum):
 
     @property
     def step(self) -> int:
-        """Which way the result travels along the stages: +1 for F, -1 for B."""
-        return 1 if self.compute is Op.F else -1
+        """Which way the result travels along the stages: +1 for F, -1 for B, 0 for W (it
+        stays: weight gradients go to nobody)."""
+        return {Op.F: 1, Op.B: -1, Op.W: 0}[self.compute]
 
 
 class _Fields(NamedTuple):

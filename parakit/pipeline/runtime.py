@@ -3,9 +3,16 @@
     loss = pipeline_step(model, [2, 2], batch, target, F.mse_loss, schedule="1f1b", num_microbatches=4)
 
 Every rank of the pipeline group calls it with the whole model, batch and target; rank r
-runs stages r, r + p, ... on micro-batches cut from the batch, activations and their
-gradients travel by point-to-point send/recv, the loss is taken on the last stage, scaled
-by 1/m, so that each stage's gradients equal those of one process on the whole batch.
+runs its stages (r, r + p, ...; in ZB-V's V, r and 2p-1-r) on micro-batches cut from the
+batch, activations and their gradients travel by point-to-point send/recv, the loss is
+taken on the last stage, scaled by 1/m, so that each stage's gradients equal those of one
+process on the whole batch.
+
+In a zero-bubble schedule the backward is split. B asks autograd for the gradient of the
+stage's input (what the previous stage waits for) and of each layer's output, keeping the
+graph; W then asks, layer by layer, for the weights' gradients from those output gradients,
+so it redoes no part of B (except inside a layer made of several ops). Between B and W the
+rank holds the layers' outputs and their gradients, and the graph's saved tensors.
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ from torch import nn
 
 from parakit.devices import device
 from parakit.pipeline.actions import Action, Op
-from parakit.pipeline.schedules import Schedule, build_schedule
+from parakit.pipeline.schedules import CHUNKS, SCHEDULES, Schedule, build_schedule
 from parakit.pipeline.simulate import Event, Timeline, check_schedule
 from parakit.pipeline.split import split_stages
 
@@ -70,10 +77,12 @@ class _Runner:
         self.rank = dist.get_rank(group) if schedule.num_ranks > 1 else 0
         self.inbox: dict[tuple[Op, int, int], torch.Tensor] = {}  # inputs of F and B, by (op, stage, i)
         self.outbox: dict[tuple[Op, int, int], torch.Tensor] = {}  # results another rank needs
-        self.stored: dict[tuple[int, int], tuple] = {}  # (stage, i) -> (input, output) kept for backward
+        self.stored: dict[tuple[int, int], tuple] = {}  # (stage, i) -> (input, layer outputs) kept for B (and W)
+        self.weight_work: dict[tuple[int, int], list] = {}  # (stage, i) -> [(layer output, its gradient, weights)] for W
         self.sends, self.loss, self.peak = [], None, 0
         self.replica = replica  # a parakit.ddp wrapper of this rank's stages, or None
-        self.last_backward = {a.stage: a.microbatch for a in schedule.actions[self.rank] if a.op is Op.B}
+        weights_op = Op.W if schedule.splits_backward else Op.B  # the action that computes weight gradients
+        self.last_backward = {a.stage: a.microbatch for a in schedule.actions[self.rank] if a.op is weights_op}
         self.to_post: dict[int, deque] = {}  # peer -> this rank's RECV actions from it, in order, not yet posted
         for a in schedule.actions[self.rank]:
             if a.op in (Op.RECV_F, Op.RECV_B):
@@ -88,7 +97,9 @@ class _Runner:
             case Op.F:
                 self.forward(a)
             case Op.B:
-                self.backward(a)
+                self.backward(a) if not self.schedule.splits_backward else self.input_backward(a)
+            case Op.W:
+                self.weight_backward(a)
             case Op.SEND_F | Op.SEND_B:
                 self.send(a)
             case Op.RECV_F | Op.RECV_B:
@@ -97,22 +108,48 @@ class _Runner:
     def forward(self, a: Action) -> None:
         last = a.stage == self.schedule.num_stages - 1
         x = self.microbatches[a.microbatch] if a.stage == 0 else self.inbox.pop((Op.F, a.stage, a.microbatch))
-        y = self.stages[a.stage](x)
+        outputs, y = [], x
+        for layer in self.stages[a.stage]:
+            y = layer(y)
+            outputs.append(y)  # each layer's output: W starts from its gradient
         if last:
             y = self.loss_fn(y, self.targets[a.microbatch]) / self.schedule.num_microbatches
             self.loss = y.detach() if self.loss is None else self.loss + y.detach()
-        self.stored[(a.stage, a.microbatch)] = (x, y)
+        self.stored[(a.stage, a.microbatch)] = (x, y, outputs)
         self.peak = max(self.peak, len(self.stored))
         if not last:
             self._hand_on(Op.F, a.stage + 1, a.microbatch, y.detach())
 
     def backward(self, a: Action) -> None:
-        x, y = self.stored.pop((a.stage, a.microbatch))
+        """The whole backward of one micro-batch on one stage: input and weight gradients."""
+        x, y, _ = self.stored.pop((a.stage, a.microbatch))
         grad = None if a.stage == self.schedule.num_stages - 1 else self.inbox.pop((Op.B, a.stage, a.microbatch))
         with self._synchronised_if(a.microbatch == self.last_backward[a.stage]):
             torch.autograd.backward(y, grad)
         if a.stage > 0:
             self._hand_on(Op.B, a.stage - 1, a.microbatch, x.grad)
+
+    def input_backward(self, a: Action) -> None:
+        """B of a split backward: the gradient of the stage's input and of every layer's output
+        that has weights, in one pass that computes no weight gradient and keeps the graph."""
+        x, y, outputs = self.stored[(a.stage, a.microbatch)]
+        grad = None if a.stage == self.schedule.num_stages - 1 else self.inbox.pop((Op.B, a.stage, a.microbatch))
+        layers = [(h, [w for w in layer.parameters() if w.requires_grad])
+                  for layer, h in zip(self.stages[a.stage], outputs)]
+        layers = [(h, weights) for h, weights in layers if weights]
+        wanted = ([x] if a.stage > 0 else []) + [h for h, _ in layers]
+        grads = torch.autograd.grad(y, wanted, grad, retain_graph=True) if wanted else []
+        if a.stage > 0:
+            self._hand_on(Op.B, a.stage - 1, a.microbatch, grads[0])
+        self.weight_work[(a.stage, a.microbatch)] = [(h, g, w) for (h, w), g in zip(layers, grads[len(wanted) - len(layers):])]
+
+    def weight_backward(self, a: Action) -> None:
+        """W of a split backward: each layer's weight gradients from its output's gradient
+        (accumulated into .grad), then the micro-batch's graph is let go."""
+        with self._synchronised_if(a.microbatch == self.last_backward[a.stage]):
+            for h, g, weights in self.weight_work.pop((a.stage, a.microbatch)):
+                torch.autograd.backward(h, g, inputs=weights)
+        del self.stored[(a.stage, a.microbatch)]
 
     def _synchronised_if(self, last: bool):
         """The replica's gradient hooks fire only in a stage's last backward of the step."""
@@ -194,7 +231,7 @@ def pipeline_run(model, balance, batch, target, loss_fn, schedule: str = "1f1b",
     m = plan.num_microbatches
     microbatches, targets = split_microbatches(batch, m), split_microbatches(target, m)
     rank = dist.get_rank(group) if p > 1 else 0
-    mine = {s: stages[s] for s in range(rank, len(stages), p)}
+    mine = {s: stages[s] for s in plan.stages_of(rank)}
     if replica is not None:
         _check_replica(replica, mine)
     return run_schedule(plan, mine, microbatches, targets, loss_fn, activation_shapes(stages, microbatches[0]), group,
@@ -218,11 +255,12 @@ def _plan(schedule: str | Schedule, p: int, num_stages: int, num_microbatches: i
                              f"and {schedule.num_microbatches} micro-batches, but this step has {p} ranks, {num_stages} "
                              f"stages and num_microbatches={num_microbatches}: build it for this step")
         return check_schedule(schedule)
-    interleaved = schedule == "interleaved"
-    if num_stages % p or (not interleaved and num_stages != p):
+    per_rank = CHUNKS.get(schedule, 1) if schedule in SCHEDULES else 1  # None: any number
+    if num_stages % p or (per_rank is not None and num_stages != per_rank * p):
+        needs = "a multiple of" if per_rank is None else ("" if per_rank == 1 else f"{per_rank} x")
         raise ValueError(f"balance makes {num_stages} stages for {p} ranks: schedule {schedule!r} needs "
-                         f"{'a multiple of ' if interleaved else ''}{p} stages, one per rank"
-                         f"{' or v per rank' if interleaved else ''}; change balance or the group size")
+                         f"{needs + ' ' if needs else ''}{p} stages"
+                         f"{', one per rank' if per_rank == 1 else ''}; change balance or the group size")
     return check_schedule(build_schedule(schedule, p, p if num_microbatches is None else num_microbatches, num_stages // p))
 
 

@@ -31,7 +31,8 @@ class Event(NamedTuple):
 @dataclass
 class Timeline:
     """Events of every rank (compute and communication); `peak_activations[r]` is the
-    most micro-batch activations rank r held at once (forwards not yet backwarded)."""
+    most micro-batch activations rank r held at once (forwards whose backward has not run;
+    where the backward is split, whose W has not run)."""
 
     num_ranks: int
     events: list[Event]
@@ -56,8 +57,14 @@ class Timeline:
         return {e.action: e.end - e.start for e in self.compute}
 
     def busy(self, rank: int):
-        """Time rank `rank` spends computing (F and B); sends and waits count as idle."""
+        """Time rank `rank` spends computing (F, B and W); sends and waits count as idle."""
         return sum(e.end - e.start for e in self.compute if e.rank == rank)
+
+    def idle_in_span(self, rank: int):
+        """Time rank `rank` waits between the start of its first compute and the end of its
+        last: its own bubble, not counting the step's start and end, which other ranks set."""
+        mine = [e for e in self.compute if e.rank == rank]
+        return max(e.end for e in mine) - min(e.start for e in mine) - self.busy(rank)
 
     def idle_fraction(self, rank: int):
         return 1 - self.busy(rank) / self.makespan
@@ -73,16 +80,18 @@ class Timeline:
 
 
 def simulate(schedule, times: Mapping[str, object] | Callable[[Action], object] | None = None) -> Timeline:
-    """Run `schedule` (a `Schedule`) on paper. `times` maps an op ("F", "B", "SEND_F", ...)
-    to its duration (default F = B = 1, communication 0; use ints or Fractions for exact results),
-    or maps each F and B action to its own duration (`Timeline.action_times`), or is a
-    function of the action. Raises ScheduleError if the schedule cannot run."""
+    """Run `schedule` (a `Schedule`) on paper. `times` maps an op ("F", "B", "W", "SEND_F",
+    ...) to its duration (default F = B = 1, and W = 1 where the schedule splits the
+    backward; communication 0; use ints or Fractions for exact results), or maps each compute
+    action to its own duration (`Timeline.action_times`), or is a function of the action. In a
+    schedule without W actions a B is the whole backward: it takes times["B"] + times["W"].
+    Raises ScheduleError if the schedule cannot run."""
     if callable(times):
         duration = times
     elif times and isinstance(next(iter(times)), Action):
         duration = lambda a: times.get(a, 0)  # noqa: E731
     else:
-        duration = lambda a, t={"F": 1, "B": 1, **(times or {})}: t.get(a.op, 0)  # noqa: E731
+        duration = lambda a, t=_op_times(schedule, times or {}): t.get(a.op, 0)  # noqa: E731
     p = schedule.num_ranks
     position, clock = [0] * p, [Fraction(0)] * p
     channels: dict[tuple[int, int], deque] = {}  # (src, dst) -> (message, time sent)
@@ -111,6 +120,14 @@ def simulate(schedule, times: Mapping[str, object] | Callable[[Action], object] 
     return Timeline(p, events, peak)
 
 
+def _op_times(schedule, times: Mapping[str, object]) -> dict:
+    """Each op's duration; an unsplit B also does W's work."""
+    t = {"F": 1, "B": 1, "W": 1 if schedule.splits_backward else 0, **times}
+    if not schedule.splits_backward:
+        t["B"] = t["B"] + t["W"]
+    return t
+
+
 def _start_time(schedule, r, a, now, channels, ready):
     """When `a` can start on rank r, or None while it must wait for a message."""
     S = schedule.num_stages
@@ -128,6 +145,8 @@ def _start_time(schedule, r, a, now, channels, ready):
              Op.B: (Op.B, a.stage, a.microbatch) if a.stage < S - 1 else None}.get(a.op)
     if a.op is Op.B and ("F done", a.stage, a.microbatch) not in ready:
         raise ScheduleError(f"rank {r} runs {a} before its forward {a.stage}F{a.microbatch}")
+    if a.op is Op.W and ("B done", a.stage, a.microbatch) not in ready:
+        raise ScheduleError(f"rank {r} runs {a} before its backward {a.stage}B{a.microbatch}")
     if needs is not None and needs not in ready:
         raise ScheduleError(f"rank {r} runs {a} before its input arrives (no receive or local result before it)")
     return now
@@ -135,27 +154,29 @@ def _start_time(schedule, r, a, now, channels, ready):
 
 def _apply(schedule, r, a, end, channels, ready, stored):
     """The effect of `a` on rank r: results, messages, stored activations."""
-    p, S = schedule.num_ranks, schedule.num_stages
+    S = schedule.num_stages
     if a.op in (Op.RECV_F, Op.RECV_B):
         channels[(a.peer, r)].popleft()
         ready[r].add((a.op.compute, a.stage, a.microbatch))
     elif a.op in (Op.SEND_F, Op.SEND_B):
         channels.setdefault((r, a.peer), deque()).append(((a.op.compute, a.stage, a.microbatch), end))
+    elif a.op is Op.W:
+        stored[r] -= 1  # what B left for W is freed
     else:
         nxt = a.stage + a.op.step
-        if a.op is Op.F:
-            ready[r].add(("F done", a.stage, a.microbatch))
-        if 0 <= nxt < S and nxt % p == r:  # the next stage is on this rank: no message
+        ready[r].add((f"{a.op} done", a.stage, a.microbatch))
+        if 0 <= nxt < S and schedule.rank_of(nxt) == r:  # the next stage is on this rank: no message
             ready[r].add((a.op, nxt, a.microbatch))
-        stored[r] += a.op.step
+        stored[r] += 1 if a.op is Op.F else (0 if schedule.splits_backward else -1)
 
 
 def _check_complete(schedule, events, channels) -> None:
     done = sorted((str(e.action.op), e.action.stage, e.action.microbatch) for e in events if e.action.op.is_compute)
-    want = sorted((str(op), s, i) for op in (Op.F, Op.B) for s in range(schedule.num_stages)
+    ops = (Op.F, Op.B, Op.W) if schedule.splits_backward else (Op.F, Op.B)
+    want = sorted((str(op), s, i) for op in ops for s in range(schedule.num_stages)
                   for i in range(schedule.num_microbatches))
     if done != want:
-        raise ScheduleError(f"schedule {schedule.name!r} must run F and B of every stage and micro-batch once: "
+        raise ScheduleError(f"schedule {schedule.name!r} must run {', '.join(ops[:-1])} and {ops[-1]} of every stage and micro-batch once: "
                             f"missing {sorted(set(want) - set(done))[:4]}, extra {len(done) - len(set(done))}")
     left = [f"{src}\u2192{dst}" for (src, dst), q in channels.items() if q]
     if left:
@@ -169,7 +190,7 @@ def check_schedule(schedule):
 
 
 def format_grid(schedule) -> str:
-    """The schedule as a time-step by rank grid (F = B = 1 time step; '.' is idle)."""
+    """The schedule as a time-step by rank grid (F = B = W = 1 time step; '.' is idle)."""
     timeline = simulate(schedule)
     steps = int(timeline.makespan)
     grid = [["."] * schedule.num_ranks for _ in range(steps)]
