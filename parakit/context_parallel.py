@@ -23,12 +23,13 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from parakit.groups import global_rank
 
 __all__ = ["LAYOUTS", "chunk_ids", "check_sequence", "shard_sequence", "unshard_sequence", "check_qkv", "block_attention",
            "merge_partials", "pair_kind", "attention_work", "ring_attention", "ring_attention_forward",
-           "RingAttention", "ring_bytes_per_rank"]
+           "RingAttention", "ring_bytes_per_rank", "ContextParallelSelfAttention"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -252,3 +253,23 @@ def ring_attention(q, k, v, causal: bool = False, layout: str = "contiguous", gr
     the whole sequence split by `layout`. Forward sends K, V (2 x q.nbytes) n-1 times to the
     next rank; backward sends them n-1 times more and dK, dV n times."""
     return RingAttention.apply(q, k, v, causal, layout, group, scale)
+
+
+class ContextParallelSelfAttention(nn.Module):
+    """Self-attention on this rank's tokens [batch, seq/n, hidden] with ring attention between
+    whole (replicated) qkv and proj layers: every activation it stores is this rank's 1/n.
+    The layers' gradients cover this rank's tokens only: all-reduce them over the group
+    (as data parallelism does) before the optimizer step."""
+
+    def __init__(self, hidden: int, heads: int, causal: bool = True, layout: str = "zigzag", group=None):
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden={hidden} is not divisible by heads={heads}: make hidden a multiple of heads")
+        self.heads, self.causal, self.layout, self.group = heads, causal, layout, group
+        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)  # [b, heads, s/n, d]
+        out = ring_attention(q, k, v, self.causal, self.layout, self.group)  # [b, heads, s/n, d]
+        return self.proj(out.transpose(1, 2).reshape(b, s, -1))  # [b, s/n, hidden]
