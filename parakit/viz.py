@@ -585,3 +585,71 @@ def bytes_1d_vs_3d(ranks: Sequence[int], one_d: Sequence[float], three_d: Sequen
     ax.set_title(title)
     ax.legend(fontsize=8)
     return ax.figure
+
+
+# ---------------------------------------------------------------- lesson 08: long sequences
+
+def causal_chunks(n: int = 4):
+    """The causal attention matrix cut in 2n x 2n chunks (queries down, keys across), each
+    chunk coloured by the rank that computes it, for the contiguous and the zig-zag split:
+    from `context_parallel.chunk_ids` and `pair_kind`; white chunks are masked and skipped,
+    pale ones are the diagonal (half computed). The titles give `attention_work` per rank."""
+    from parakit import context_parallel as cp
+    colours = plt.get_cmap("tab10").colors
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6))
+    for ax, layout in zip(axes, cp.LAYOUTS):
+        per_rank = 2 // len(cp.chunk_ids(n, 0, layout))  # 2n grid chunks in each of the layout's chunks
+        owner = {c * per_rank + k: r for r in range(n) for c in cp.chunk_ids(n, r, layout) for k in range(per_rank)}
+        for i in range(2 * n):
+            for j in range(2 * n):
+                kind = cp.pair_kind(i, j, causal=True)
+                if kind != "skip":
+                    ax.add_patch(plt.Rectangle((j, 2 * n - 1 - i), 1, 1, facecolor=colours[owner[i] % 10],
+                                               alpha=0.45 if kind == "diagonal" else 1.0, edgecolor="white"))
+        ax.set_yticks([2 * n - 0.5 - i for i in range(2 * n)], [f"q{i} (rank {owner[i]})" for i in range(2 * n)],
+                      fontsize=7)
+        ax.set_xticks([j + 0.5 for j in range(2 * n)], [f"k{j}" for j in range(2 * n)], fontsize=7)
+        ax.set_xlim(0, 2 * n)
+        ax.set_ylim(0, 2 * n)
+        ax.set_aspect("equal")
+        work = cp.attention_work(2 * n * 64, n, layout)
+        ax.set_title(f"{layout}: scores per rank (seq {2 * n * 64})\n{', '.join(f'{w:,}' for w in work)}",
+                     fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def long_sequences(seq: int = 8192, n: int = 4, heads: int = 32, head_dim: int = 128, element_size: int = 2):
+    """Models (not measurements) for one attention layer, batch 1: left, causal scores per rank
+    (contiguous vs zig-zag, `context_parallel.attention_work`); middle, bytes each rank sends
+    forward (ring, all-gather of K and V, Ulysses); right, the paper's activation bytes per
+    layer on one rank, with n-way tensor parallelism, and with sequence parallelism too."""
+    from parakit import context_parallel as cp
+    from parakit import sequence_parallel as sp
+    from parakit import ulysses
+    seq = max(2 * n, seq - seq % (2 * n))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    ranks = list(range(n))
+    for offset, layout, colour in ((-0.2, "contiguous", "#e76f51"), (0.2, "zigzag", "#2a9d8f")):
+        axes[0].bar([r + offset for r in ranks], cp.attention_work(seq, n, layout), width=0.4, color=colour,
+                    label=layout)
+    axes[0].set_xlabel("rank")
+    axes[0].set_ylabel("query-key scores")
+    axes[0].set_title(f"causal work per rank, seq {seq:,}", fontsize=9)
+    axes[0].legend(fontsize=8)
+    local = (1, heads, seq // n, head_dim)
+    sent = {"ring": cp.ring_bytes_per_rank(local, n, element_size),
+            "all-gather K, V": 2 * (n - 1) * element_size * heads * head_dim * (seq // n),
+            "Ulysses": ulysses.ulysses_bytes_per_rank(local, n, element_size) if heads % n == 0 else 0}
+    axes[1].bar(list(sent), [b / 2**20 for b in sent.values()], color=["#264653", "#8d99ae", "#f4a261"])
+    axes[1].set_ylabel("MiB sent per rank (forward)")
+    axes[1].set_title(f"model: {n} ranks, {heads} heads x {head_dim}, {8 * element_size}-bit", fontsize=9)
+    hidden = heads * head_dim
+    memory = {"one rank": sp.paper_activation_bytes(seq, 1, hidden, heads),
+              f"TP {n}": sp.paper_activation_bytes(seq, 1, hidden, heads, t=n),
+              f"TP+SP {n}": sp.paper_activation_bytes(seq, 1, hidden, heads, t=n, sequence_parallel=True)}
+    axes[2].bar(list(memory), [b / 2**30 for b in memory.values()], color=["#8d99ae", "#e76f51", "#2a9d8f"])
+    axes[2].set_ylabel("GiB per layer")
+    axes[2].set_title("Korthikanti et al.'s model: sbh(34 + 5as/h), divided", fontsize=9)
+    fig.tight_layout()
+    return fig

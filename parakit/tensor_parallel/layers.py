@@ -144,11 +144,14 @@ class ParallelSelfAttention(nn.Module):
 
     qkv is one column-parallel layer whose output features run head by head, [q_h, k_h, v_h]
     for h = 0..heads-1, so rank i's column slice holds whole heads; proj is row-parallel.
+    With sequence_parallel=True the input and output are this rank's slice of the sequence,
+    [batch, seq/t, hidden]: qkv all-gathers it, proj reduce-scatters.
     Attention dropout is inside the region: it draws from `rng` (an RNGTracker), a stream
     of its own on each rank, as a dense model draws different masks for different heads.
     """
 
-    def __init__(self, hidden: int, heads: int, causal: bool = True, dropout: float = 0.0, group=None, rng=None):
+    def __init__(self, hidden: int, heads: int, causal: bool = True, dropout: float = 0.0, group=None, rng=None,
+                 sequence_parallel: bool = False):
         super().__init__()
         t, _ = tp_size_rank(group)
         if hidden % heads:
@@ -159,12 +162,18 @@ class ParallelSelfAttention(nn.Module):
             raise ValueError(f"ParallelSelfAttention: dropout={dropout} inside a tensor-parallel region needs "
                              f"rng=RNGTracker(seed, group), so that each rank draws its own mask")
         self.heads, self.causal, self.dropout, self.rng = heads // t, causal, dropout, rng  # heads on this rank
-        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, gather_output=False, group=group)
-        self.proj = RowParallelLinear(hidden, hidden, input_is_parallel=True, group=group)
+        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, gather_output=False, group=group,
+                                        sequence_parallel=sequence_parallel)
+        self.proj = RowParallelLinear(hidden, hidden, input_is_parallel=True, group=group,
+                                      sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, self.heads, 3, -1)  # [batch, seq, heads/t, 3, head_dim]
+        return self.proj(self.attend(self.qkv(x)))  # [batch, seq, hidden] (or [batch, seq/t, hidden]) -> same
+
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """This rank's heads: [batch, seq, 3 hidden/t] -> [batch, seq, hidden/t] (no communication)."""
+        b, s, _ = qkv.shape
+        qkv = qkv.view(b, s, self.heads, 3, -1)  # [batch, seq, heads/t, 3, head_dim]
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [batch, heads/t, seq, head_dim]
         p = self.dropout if self.training else 0.0
         if p:
@@ -172,7 +181,7 @@ class ParallelSelfAttention(nn.Module):
                 att = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
         else:
             att = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-        return self.proj(att.transpose(1, 2).reshape(b, s, -1))  # [batch, seq, hidden/t] -> [batch, seq, hidden]
+        return att.transpose(1, 2).reshape(b, s, -1)  # [batch, seq, hidden/t]
 
 
 class ParallelTransformerBlock(nn.Module):
