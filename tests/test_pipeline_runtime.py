@@ -1,7 +1,8 @@
 """parakit.pipeline's runtime on real ranks (gloo on CPU): every schedule leaves each rank's
 stage gradients equal to one process on the whole batch, sends exactly the activations and
 gradients the schedule names, holds the activations the simulator predicts, and agrees with
-torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B."""
+torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B, and its zero-bubble
+schedules (ScheduleZBVZeroBubble, ScheduleInterleavedZeroBubble) on gloo."""
 from __future__ import annotations
 
 import copy
@@ -138,6 +139,39 @@ def test_loss_and_gradients_match_torch_distributed_pipelining(schedule):
         for g_torch, g in zip(torch_grads, grads):
             torch.testing.assert_close(g, g_torch)
         if rank == 1:
+            torch.testing.assert_close(loss, torch_loss)
+
+
+def torch_zero_bubble(theirs, ours, model, x, y, m):
+    """torch.distributed.pipelining's zero-bubble schedule `theirs` and parakit's `ours`,
+    two stages per rank placed alike: this rank's losses and grads."""
+    from torch.distributed import pipelining
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    stages, placement = split_stages(model, [1] * (2 * p)), "v" if ours == "zbv" else "loop"
+    mine = [s for s in range(2 * p) if rank_of(s, p, placement) == rank]
+    schedule = getattr(pipelining, theirs)([pipelining.PipelineStage(stages[s], s, 2 * p, torch.device("cpu"))
+                                            for s in mine], m, loss_fn=F.mse_loss)
+    losses, last = [], rank_of(2 * p - 1, p, placement) == rank
+    schedule.step(*([x] if rank == 0 else []), **(dict(target=y, losses=losses) if last else {}))
+    torch_grads = [q.grad for q in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    loss = pipeline_step(model, [1] * (2 * p), x, y, F.mse_loss, schedule=ours, num_microbatches=m)
+    return (torch.stack(losses).mean() if losses else None), torch_grads, loss, [q.grad for q in model.parameters()]
+
+
+@pytest.mark.parametrize("theirs,ours", [("ScheduleZBVZeroBubble", "zbv"), ("ScheduleInterleavedZeroBubble", "interleaved")])
+def test_zero_bubble_gradients_match_torch_distributed_pipelining(theirs, ours):
+    model, x, y = mlp(4, int(torch.randint(2**31, ()))), torch.randn(16, HIDDEN), torch.randn(16, HIDDEN)
+    _, want = reference(model, x, y)
+    for torch_loss, torch_grads, loss, grads in parakit.launch(torch_zero_bubble, theirs, ours, model, x, y, 4,
+                                                                world_size=2):
+        assert sum(g is not None for g in grads) == sum(g is not None for g in torch_grads) == 4  # 2 stages of 2 tensors
+        for g_torch, g, g_one in zip(torch_grads, grads, want):
+            if g is not None:
+                torch.testing.assert_close(g, g_torch)
+                torch.testing.assert_close(g, g_one)
+        if loss is not None:
             torch.testing.assert_close(loss, torch_loss)
 
 

@@ -3,6 +3,7 @@ bubble (exactly the formulas, in integer time units), its peak stored activation
 deadlock and order checks, the printed grid, and the errors for impossible requests."""
 from __future__ import annotations
 
+import dataclasses
 from fractions import Fraction
 
 import pytest
@@ -134,3 +135,87 @@ def test_stages_share_the_models_layers_by_balance_and_split_points():
         split_stages(model, [5, 0])
     with pytest.raises(ValueError, match=r"split points \[3, 3\] must increase strictly inside \(0, 5\)"):
         balance_from_split_points([3, 3], 5)
+
+
+# ------------------------------------------------------------------------------ zero bubble
+
+UNIT = {"F": 1, "B": 1, "W": 1}  # 1F1B's unsplit backward then takes B + W = 2
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_idle_inside_each_ranks_span_is_3_p_minus_1_for_1f1b_p_minus_1_for_zbh1_and_0_for_zbh2(p):
+    for m in (2 * p, 2 * p + 1, 3 * p):
+        idle = {name: max(simulate(build_schedule(name, p, m), UNIT).idle_in_span(r) for r in range(p))
+                for name in ("1f1b", "zbh1", "zbh2")}
+        assert idle == {"1f1b": 3 * (p - 1), "zbh1": p - 1, "zbh2": 0}, (p, m)
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_zbh1_holds_no_more_than_1f1b_and_zbh2_at_most_2p_minus_1(p):
+    for m in (2 * p, 3 * p):
+        one_f_one_b = simulate(build_schedule("1f1b", p, m), UNIT).peak_activations
+        assert max(simulate(build_schedule("zbh1", p, m), UNIT).peak_activations) <= max(one_f_one_b) == p
+        assert max(simulate(build_schedule("zbh2", p, m), UNIT).peak_activations) <= 2 * p - 1
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_zbv_holds_1f1b_memory_in_half_stages_and_idles_less(p):
+    m = 2 * p
+    zbv = simulate(build_schedule("zbv", p, m), UNIT)  # 2p stages of half the layers: each op takes half as long
+    one_f_one_b = simulate(build_schedule("1f1b", p, m), {"F": 2, "B": 2, "W": 2})
+    assert zbv.peak_activations == [2 * p] * p  # 2p half-stage micro-batches = 1F1B's p whole ones on rank 0
+    assert zbv.bubble < one_f_one_b.bubble
+    s = build_schedule("zbv", p, m)
+    assert [s.stages_of(r) for r in range(p)] == [[r, 2 * p - 1 - r] for r in range(p)]  # the V
+
+
+def test_zbh1_runs_each_w_r_backwards_after_its_b_on_rank_r():
+    p, m = 4, 8
+    s = build_schedule("zbh1", p, m)
+    for r in range(p):
+        compute = s.compute(r)
+        assert [a for a in compute if a.op != "W"] == build_schedule("1f1b", p, m).compute(r)  # 1F1B's F/B order
+        backwards = [a.microbatch for a in compute if a.op == "B"]
+        for i, a in enumerate(compute):
+            if a.op == "W" and a.microbatch < m - r:  # not one of the r left for the end
+                assert compute[i - 1] == Action("B", r, backwards[backwards.index(a.microbatch) + r])
+        tail = compute[len(compute) - r:]  # the last r W's, in order
+        assert [(a.op, a.microbatch) for a in tail] == [("W", i) for i in range(m - r, m)]
+
+
+def test_a_w_before_its_b_is_refused_naming_rank_and_action():
+    good = build_schedule("zbh1", 2, 2)
+    r0 = list(good.actions[0])
+    w = r0.index(Action("W", 0, 0))
+    b = r0.index(Action("B", 0, 0))
+    r0[w], r0[b] = r0[b], r0[w]
+    early = dataclasses.replace(good, name="early", actions=(tuple(r0), good.actions[1]))
+    with pytest.raises(ScheduleError, match=r"rank 0 runs 0W0 before its backward 0B0"):
+        simulate(early)
+    no_w = dataclasses.replace(good, name="no_w", actions=(tuple(a for a in good.actions[0] if a != Action("W", 0, 1)),
+                                                           good.actions[1]))
+    with pytest.raises(ScheduleError, match=r"must run F, B and W of every stage and micro-batch once: "
+                                            r"missing \[\('W', 0, 1\)\]"):
+        simulate(no_w)
+
+
+@pytest.mark.parametrize("name,p,m,message", [
+    ("zbh1", 4, 3, "ZB-H1 needs at least as many micro-batches as stages: num_microbatches=3 < 4; "
+                   "use num_microbatches >= 4"),
+    ("zbh2", 4, 6, r"ZB-H2 fills its warm-up with 2p-1 = 7 forwards on rank 0: num_microbatches=6 is too few; "
+                   r"use num_microbatches >= 7"),
+    ("zbv", 4, 3, "ZB-V needs at least as many micro-batches as ranks: num_microbatches=3 < 4; use num_microbatches >= 4"),
+])
+def test_too_few_microbatches_for_a_zero_bubble_schedule_name_the_minimum(name, p, m, message):
+    with pytest.raises(ValueError, match=message):
+        build_schedule(name, p, m)
+
+
+def test_zbv_needs_two_stages_per_rank():
+    with pytest.raises(ValueError, match="schedule 'zbv' runs 2 stages per rank but 1 stages per rank were given"):
+        build_schedule("zbv", 2, 4, 1)
+
+
+def test_the_grid_shows_w_as_its_own_step():
+    lines = format_grid(build_schedule("zbh1", 2, 2)).splitlines()
+    assert sum(line.count("W") for line in lines[1:]) == 4  # 2 stages x 2 micro-batches
