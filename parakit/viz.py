@@ -357,14 +357,14 @@ def zero_calculator(params: float = 7.5e9, n: int = 64, k: int = 12, stage: int 
 
 # ---------------------------------------------------------------- lesson 04: pipeline schedules
 
-PIPELINE_COLOURS = {"F": "#2a9d8f", "B": "#e76f51"}
+PIPELINE_COLOURS = {"F": "#2a9d8f", "B": "#e76f51", "W": "#8d99ae"}
 
 
 def pipeline_gantt(timeline, *, title: str = "", unit: str = "time step", ax=None):
     """Gantt chart of a pipeline time line (`parakit.pipeline.simulate` or the runtime's
-    measured events): one row per rank, a bar per forward (F) and backward (B) labelled with
-    its micro-batch, later chunks of interleaved schedules hatched; the rank's idle
-    fraction at the right."""
+    measured events): one row per rank, a bar per forward (F), backward (B) and, in
+    zero-bubble schedules, weight-gradient pass (W), labelled with its micro-batch, later
+    chunks of interleaved and V schedules hatched; the rank's idle fraction at the right."""
     standalone = ax is None
     if standalone:
         _, ax = plt.subplots(figsize=(10, 0.5 * timeline.num_ranks + 1.3))
@@ -384,8 +384,9 @@ def pipeline_gantt(timeline, *, title: str = "", unit: str = "time step", ax=Non
     ax.set_xlabel(unit)
     ax.set_title(title or f"bubble {float(timeline.bubble):.1%}, peak stored activations {timeline.peak_activations}",
                  fontsize=10)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PIPELINE_COLOURS.values()]
-    labels = ["forward", "backward"]
+    ops = ["F", "B"] + (["W"] if any(e.action.op == "W" for e in timeline.compute) else [])
+    handles = [plt.Rectangle((0, 0), 1, 1, color=PIPELINE_COLOURS[op]) for op in ops]
+    labels = ["forward", "backward" if len(ops) == 2 else "backward: input gradient (B)", "weight gradient (W)"][:len(ops)]
     if any(e.action.stage >= timeline.num_ranks for e in timeline.compute):
         handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="grey", hatch="//"))
         labels.append("odd chunk")
@@ -409,22 +410,29 @@ def pipeline_predicted_vs_measured(predicted, measured, *, title: str = ""):
 
 
 def pipeline_schedule_figure(schedule: str = "1f1b", p: int = 4, m: int = 8, v: int = 2):
-    """One schedule drawn from parakit's own schedule data (F = B = 1 time step per chunk),
-    with its bubble next to the formula and its peak stored activations per rank."""
+    """One schedule drawn from parakit's own schedule data (F = B = 1 time step per chunk,
+    W = 1 where the backward is split), with its bubble next to the formula where there is
+    one, and its peak stored activations per rank."""
     from parakit.pipeline import bubble_formula, build_schedule, simulate
 
-    v = v if schedule == "interleaved" else 1
+    v = v if schedule == "interleaved" else None
     try:
-        timeline = simulate(build_schedule(schedule, p, m, v))
+        built = build_schedule(schedule, p, m, v)
+        timeline = simulate(built)
     except ValueError as error:  # an impossible choice (1F1B with m < p, ...): say why instead of a chart
         fig, ax = plt.subplots(figsize=(10, 1.2))
         ax.axis("off")
         ax.text(0, 0.5, str(error), wrap=True, fontsize=9)
         return fig
-    formula = bubble_formula(p, m, v)
-    return pipeline_gantt(timeline, title=f"{schedule}, p={p}, m={m}" + (f", v={v}" if v > 1 else "") +
-                          f": bubble {float(timeline.bubble):.1%} (formula (p-1)/({'v' if v > 1 else ''}m+p-1) = "
-                          f"{float(formula):.1%}), peak stored activations per rank {timeline.peak_activations}")
+    chunks = built.chunks
+    if built.splits_backward:
+        inside = max(timeline.idle_in_span(r) for r in range(p))
+        formula = f"W fills waits: at most {float(inside):g} steps idle inside a rank's own span"
+    else:
+        formula = (f"formula (p-1)/({'v' if chunks > 1 else ''}m+p-1) = {float(bubble_formula(p, m, chunks)):.1%}")
+    return pipeline_gantt(timeline, title=f"{schedule}, p={p}, m={m}" + (f", v={chunks}" if chunks > 1 else "") +
+                          f": bubble {float(timeline.bubble):.1%} ({formula}), peak stored activations per rank "
+                          f"{timeline.peak_activations}")
 
 
 # ---------------------------------------------------------------- lesson 05: activation checkpointing
