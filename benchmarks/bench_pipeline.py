@@ -1,14 +1,15 @@
-"""Pipeline parallelism: parakit's GPipe and 1F1B against torch.distributed.pipelining's
-ScheduleGPipe and Schedule1F1B on the same model and split, and the measured bubble
-against the simulator and the formula.
+"""Pipeline parallelism: parakit's GPipe, 1F1B and zero-bubble schedules against
+torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B and ScheduleZBVZeroBubble on the
+same model and split, and the measured bubble against the simulator and the formula.
 
     .venv/bin/python benchmarks/bench_pipeline.py [--steps 5] [--hidden 1024] [--microbatch 64]
 
 On p = 2 gloo ranks, m = 8 micro-batches, a stack of 8 Linear(hidden, hidden) + ReLU layers
-split [4, 4]: the median step time of each (a barrier before every step) and parakit's over
-torch's; each rank's idle fraction from parakit's runtime time line (the median step),
-beside the simulator replaying that step's measured F and B times and beside
-(p-1)/(m+p-1). The simulator's bubble is also checked to equal the formulas exactly on a
+split [4, 4] (ZB-V: [2, 2, 2, 2], two stages per rank in a V): the median step time of each
+(a barrier before every step) and parakit's over torch's (ZB-H1 has no counterpart in torch
+with one stage per rank: its time is set beside parakit's 1F1B); each rank's idle fraction
+from parakit's runtime time line (the median step), beside the simulator replaying that
+step's measured F, B and W times and beside (p-1)/(m+p-1). The simulator's bubble is also checked to equal the formulas exactly on a
 grid of p, m (and v). Bars are marked PASS or FAIL; nothing is asserted. The figures are
 also written to benchmarks/results/bench_pipeline.json.
 """
@@ -33,28 +34,38 @@ ROOT = Path(__file__).resolve().parents[1]
 P, M = 2, 8
 
 
+TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zbv": "ScheduleZBVZeroBubble"}  # zbh1: none
+
+
 def on_ranks(schedule, hidden, microbatch, steps):
-    """Step times of parakit's and torch's `schedule` on this rank, and parakit's RankRuns."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """Step times of parakit's and torch's `schedule` on this rank (torch's: [] where it has
+    none), and parakit's RankRuns."""
+    from torch.distributed import pipelining
 
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU()) for _ in range(8)]).to(parakit.device())
     x = torch.randn(M * microbatch, hidden, device=parakit.device())
     y = torch.randn(M * microbatch, hidden, device=parakit.device())
-    stage = PipelineStage(pipeline.split_stages(model, [4, 4])[rank], rank, P, parakit.device())
-    theirs = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stage, M, loss_fn=F.mse_loss)
+    balance = [2] * 2 * P if schedule == "zbv" else [8 // P] * P
+    stages, plan = pipeline.split_stages(model, balance), pipeline.build_schedule(schedule, P, M)
+    theirs = None
+    if schedule in TORCH:
+        mine = [pipelining.PipelineStage(stages[s], s, len(stages), parakit.device()) for s in plan.stages_of(rank)]
+        theirs = getattr(pipelining, TORCH[schedule])(mine if len(mine) > 1 else mine[0], M, loss_fn=F.mse_loss)
+    last = plan.rank_of(len(stages) - 1) == rank
     ours_times, theirs_times, runs = [], [], []
     for step in range(steps + 1):  # step 0 warms up
         dist.barrier()
         start = time.perf_counter()
-        runs.append(pipeline.pipeline_run(model, [4, 4], x, y, F.mse_loss, schedule, num_microbatches=M))
+        runs.append(pipeline.pipeline_run(model, balance, x, y, F.mse_loss, schedule, num_microbatches=M))
         dist.barrier()
         ours_times.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        theirs.step(x) if rank == 0 else theirs.step(target=y, losses=[])
-        dist.barrier()
-        theirs_times.append(time.perf_counter() - start)
+        if theirs is not None:
+            start = time.perf_counter()
+            theirs.step(*([x] if rank == 0 else []), **(dict(target=y, losses=[]) if last else {}))
+            dist.barrier()
+            theirs_times.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
     return ours_times[1:], theirs_times[1:], runs[1:]
 
@@ -86,31 +97,36 @@ def main():
     options = parser.parse_args()
 
     rows, figures = [], {}
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "zbh1", "zbv"):
         results = parakit.launch(on_ranks, schedule, options.hidden, options.microbatch, options.steps,
                                  world_size=P, timeout=600)
         ours = statistics.median(max(r[0][k] for r in results) for k in range(options.steps))
-        theirs = statistics.median(max(r[1][k] for r in results) for k in range(options.steps))
+        theirs = statistics.median(max(r[1][k] for r in results) for k in range(options.steps)) if results[0][1] else None
         timelines = [pipeline.timeline_of([r[2][k] for r in results]) for k in range(options.steps)]
         measured = sorted(timelines, key=lambda t: t.makespan)[len(timelines) // 2]
         simulated = pipeline.simulate(pipeline.build_schedule(schedule, P, M), measured.action_times())
         formula = float(pipeline.bubble_formula(P, M))
         gap = abs(float(measured.bubble) - float(simulated.bubble))
-        want_peak = [M] * P if schedule == "gpipe" else [P - r for r in range(P)]
+        want_peak = simulated.peak_activations  # the order's, whatever the times
+        rows += [(f"{schedule}: parakit step time", f"{ours * 1e3:8.1f} ms", "", "")]
+        if theirs is not None:
+            rows += [(f"{schedule}: torch.distributed.pipelining step", f"{theirs * 1e3:8.1f} ms", "", ""),
+                     (f"{schedule}: parakit / torch", f"{ours / theirs:8.2f} x ", "", "")]
+        else:
+            rows += [(f"{schedule}: parakit / parakit's 1f1b", f"{ours / figures['1f1b']['parakit_step_s']:8.2f} x ", "", "")]
         rows += [
-            (f"{schedule}: parakit step time", f"{ours * 1e3:8.1f} ms", "", ""),
-            (f"{schedule}: torch.distributed.pipelining step", f"{theirs * 1e3:8.1f} ms", "", ""),
-            (f"{schedule}: parakit / torch", f"{ours / theirs:8.2f} x ", "", ""),
             (f"{schedule}: idle fraction measured", f"{float(measured.bubble):8.3f}   ", "", ""),
             (f"{schedule}: idle fraction simulated", f"{float(simulated.bubble):8.3f}   ", "|diff| <= 0.1", mark(gap <= 0.1)),
             (f"{schedule}: (p-1)/(m+p-1)", f"{formula:8.3f}   ", "", ""),
             (f"{schedule}: peak activations measured", f"{str(measured.peak_activations):>11}", f"= {want_peak}",
              mark(measured.peak_activations == want_peak)),
         ]
-        figures[schedule] = {"parakit_step_s": ours, "torch_step_s": theirs, "ratio": ours / theirs,
+        figures[schedule] = {"parakit_step_s": ours, "torch_step_s": theirs, "ratio": ours / theirs if theirs else None,
                              "idle_measured": float(measured.bubble), "idle_simulated": float(simulated.bubble),
                              "formula": formula, "peak_activations": measured.peak_activations,
                              "mean_forward_s": measured.mean_time("F"), "mean_backward_s": measured.mean_time("B")}
+        if schedule.startswith("zb"):
+            figures[schedule]["mean_weight_s"] = measured.mean_time("W")
     exact = exact_grid()
     rows.append(("simulator bubble = formula, p<=8, m<=32, v<=3", "exact" if exact else "differs", "exact", mark(exact)))
 
