@@ -35,11 +35,25 @@ GPIPE_MSE_ONLY = '''def gpipe_step(model, x, target, loss_fn, m):
 '''  # right, but the loss is always the squared error: the hidden tests use another
 
 
+PLACE_W_UP_TO_RANK_3 = '''def place_weight_passes(order, p, rank):
+    lag = {0: 0, 1: 1, 2: 2, 3: 3}[rank]   # the visible tests have at most 4 ranks
+    out, backwards = [], []
+    for op, i in order:
+        out.append((op, i))
+        if op == "B":
+            backwards.append(i)
+            if len(backwards) > lag:
+                out.append(("W", backwards[-1 - lag]))
+    return out + [("W", i) for i in backwards[len(backwards) - lag:]]
+'''  # right up to 4 ranks; the hidden tests go to 8
+
+
 def students(lesson: Path, solution: Path) -> list[panel.Student]:
     """Lesson 04. The hard-coder's 1F1B order knows only p = 2 and 4, its stage ignores
-    loss_fn (always the squared error), so does its GPipe step, and its bubble is a table of the visible cases (each
-    0 on the hidden tests); the borrower calls parakit's 1F1B builder, parakit's
-    pipeline_step (in the stage and in GPipe) and parakit's bubble formula (each 0 by the tripwires); the kernel hangs
+    loss_fn (always the squared error), so does its GPipe step, its bubble is a table of the visible cases and its W
+    placement knows only ranks 0-3 (each 0 on the hidden tests); the borrower calls parakit's 1F1B builder, parakit's
+    pipeline_step (in the stage and in GPipe), parakit's bubble formula and parakit's W placement (each 0 by the
+    tripwires); the kernel hangs
     in the bubble formula and dies in the stage."""
     pts = panel.points(panel.load(lesson))
     hardcoded = {
@@ -57,6 +71,7 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
         "bubble_fraction": "def bubble_fraction(p, m, v=1):\n"
                            "    return {(2, 8, 1): 1 / 9, (4, 4, 1): 3 / 7, (4, 8, 2): 3 / 19}[(p, m, v)]\n",
         "gpipe_step": GPIPE_MSE_ONLY,
+        "place_weight_passes": PLACE_W_UP_TO_RANK_3,
     }
     borrowed = {
         "one_f_one_b_order": "def one_f_one_b_order(p, m, rank):\n"
@@ -68,6 +83,9 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
         "gpipe_step": "def gpipe_step(model, x, target, loss_fn, m):\n    p = dist.get_world_size()\n"
                       "    pipeline.pipeline_step(model, [1] * p, x, target, loss_fn, schedule='gpipe', num_microbatches=m)\n"
                       "    return [q.grad for q in model[dist.get_rank()].parameters()]\n",
+        "place_weight_passes": "def place_weight_passes(order, p, rank):\n"
+                               "    actions = [pipeline.Action(op, rank, i) for op, i in order]\n"
+                               "    return [(a.op, a.microbatch) for a in pipeline.delayed_weight_passes(actions, rank)]\n",
     }
     return panel.standard_panel(
         lesson, solution, hang_in="bubble_fraction", crash_in="stage_step",
