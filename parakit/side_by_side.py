@@ -10,11 +10,11 @@ notebook's ranks and, unchanged, under torchrun on a box with GPUs:
     print(both)       # per rank: collectives, bytes written, peak memory, seconds
     parakit.torchrun.run("with_pytorch_02.py", nproc_per_node=2)      # the same file under torchrun
 
-Both versions are measured by the same meter. Collectives are counted where PyTorch
-dispatches them (its `CommDebugMode`), which sees the ones DDP's reducer issues from C++ and
-the ones DTensor issues as functional collectives, not only calls of `torch.distributed`'s
-Python functions (parakit's `CommLog` sees those alone); sends and receives, which
-CommDebugMode skips, are counted by `CommLog`. Bytes are what the OS counted the
+Both versions are measured by the same meter. Communication is counted where PyTorch
+dispatches it (`CallCounter`, a dispatch mode like PyTorch's `CommDebugMode` without its
+per-module tracking): every op of the c10d and functional-collective libraries, so also the
+all-reduces DDP's reducer issues from C++ and the collectives DTensor issues, not only calls
+of `torch.distributed`'s Python functions (parakit's `CommLog` sees those alone). Bytes are what the OS counted the
 rank writing while the step ran (gloo on CPU; None under NCCL, whose transfers it cannot
 see). Nothing here communicates beyond what the measured functions do, plus one barrier
 before each measured call so that no rank's clock starts while another is still busy.
@@ -32,11 +32,14 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from parakit.comm import CommLog
 from parakit.devices import MemoryMeter
 from parakit.launcher import launch
 
-__all__ = ["Measured", "Comparison", "measure", "compare", "load_script", "available"]
+__all__ = ["Measured", "Comparison", "CallCounter", "op_name", "measure", "compare", "load_script", "available"]
 
 
 @dataclass
@@ -44,7 +47,7 @@ class Measured:
     """One rank's run of one version: what it returned and what it cost."""
 
     result: object
-    collectives: dict[str, int]  # op -> calls: collectives as PyTorch dispatched them ("allreduce"), sends and receives as called ("isend")
+    collectives: dict[str, int]  # op -> calls, as PyTorch dispatched them: "allreduce", "allgather", "send", ...
     written: int | None  # bytes the OS counted the rank writing during the call; None where it cannot (NCCL)
     peak: int | None  # peak bytes of the tensors made during the call (None when not measured)
     seconds: float
@@ -53,11 +56,9 @@ class Measured:
 def measure(fn, *args, memory: bool = True) -> Measured:
     """Run `fn(*args)` on this rank and measure it; collective: every rank of the default
     group must call it (it starts with a barrier)."""
-    from torch.distributed.tensor.debug import CommDebugMode
     dist.barrier()
-    counter = CommDebugMode()
     meter = MemoryMeter() if memory else None
-    with CommLog() as log, counter:
+    with CommLog() as log, CallCounter() as counter:
         start = time.perf_counter()
         if meter is None:
             result = fn(*args)
@@ -65,17 +66,41 @@ def measure(fn, *args, memory: bool = True) -> Measured:
             with meter:
                 result = fn(*args)
         seconds = time.perf_counter() - start
-    counts = Counter(r.op for r in log.records if r.peer is not None)  # point-to-point: CommDebugMode skips them
-    for op, n in counter.get_comm_counts().items():
-        counts[_op_name(op)] += n
-    return Measured(result, dict(counts), log.written_bytes(), meter.peaks()[0] if meter else None, seconds)
+    return Measured(result, dict(counter.calls), log.written_bytes(), meter.peaks()[0] if meter else None, seconds)
 
 
-def _op_name(op) -> str:
-    """'c10d.allreduce_' and 'c10d_functional.all_reduce' -> 'allreduce'; '_allgather_base_' -> 'allgather'."""
-    name = str(op).rsplit(".", 1)[-1].strip("_")
-    name = name.removesuffix("_base").removesuffix("_into_tensor").removesuffix("_coalesced")
-    return name.replace("all_", "all").replace("reduce_scatter", "reducescatter")
+COMMUNICATION_LIBRARIES = ("c10d", "_c10d_functional", "c10d_functional")
+NOT_COMMUNICATION = ("wait_tensor", "wrap_tensor_autograd")  # waits and autograd wrappers move no data
+
+
+class CallCounter(TorchDispatchMode):
+    """Counts the communication ops dispatched while it is active, by `op_name`. It lets a
+    DTensor turn its ops into collectives first (returns NotImplemented for it), as
+    CommDebugMode does, so that the collectives are what it counts."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        name = func._overloadpacket.__name__
+        if func.namespace in COMMUNICATION_LIBRARIES and name not in NOT_COMMUNICATION:
+            self.calls[op_name(name)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def op_name(name: str) -> str:
+    """A dispatched op's name as one word whichever library issued it: 'allreduce_' and
+    'all_reduce' -> 'allreduce'; '_allgather_base_' and 'all_gather_into_tensor' ->
+    'allgather'; 'reduce_scatter_tensor' -> 'reducescatter'; 'recv_' -> 'recv'."""
+    name = name.strip("_")
+    for suffix in ("_base", "_into_tensor", "_tensor", "_coalesced", "_single"):
+        name = name.removesuffix(suffix)
+    return name.replace("_", "")
 
 
 class Comparison:
