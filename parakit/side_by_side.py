@@ -31,7 +31,7 @@ from pathlib import Path
 import cloudpickle
 import torch
 import torch.distributed as dist
-
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -74,23 +74,37 @@ NOT_COMMUNICATION = ("wait_tensor", "wrap_tensor_autograd")  # waits and autogra
 
 
 class CallCounter(TorchDispatchMode):
-    """Counts the communication ops dispatched while it is active, by `op_name`. It lets a
-    DTensor turn its ops into collectives first (returns NotImplemented for it), as
-    CommDebugMode does, so that the collectives are what it counts."""
+    """Counts the communication ops dispatched while it is active: `calls[op]`, and
+    `by_group[(op, ranks)]` with the global ranks of the group each ran on. It lets a DTensor
+    turn its ops into collectives first (returns NotImplemented for it), as CommDebugMode
+    does, so that the collectives are what it counts."""
 
     def __init__(self):
         super().__init__()
         self.calls: Counter = Counter()
+        self.by_group: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **(kwargs or {}))
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
-        name = func._overloadpacket.__name__
+        name = func._overloadpacket.__name__.strip("_")
         if func.namespace in COMMUNICATION_LIBRARIES and name not in NOT_COMMUNICATION:
-            self.calls[op_name(name)] += 1
+            op = op_name(name)
+            self.calls[op] += 1
+            self.by_group[(op, _group_ranks(args))] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _group_ranks(args) -> tuple[int, ...]:
+    """The global ranks of the process group a c10d op (a ProcessGroup argument) or a
+    functional collective (the group's name, its last str argument) runs on."""
+    for a in args:
+        if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
+            return tuple(dist.get_process_group_ranks(dist.ProcessGroup.unbox(a)))
+    names = [a for a in args if isinstance(a, str)]
+    return tuple(dist.get_process_group_ranks(c10d._resolve_process_group(names[-1]))) if names else ()
 
 
 def op_name(name: str) -> str:

@@ -15,6 +15,7 @@ those variables, and leaves with `dist.destroy_process_group()`:
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shlex
 import subprocess
@@ -55,6 +56,8 @@ def process_group(backend: str = "auto"):
     try:
         yield
     finally:
+        gc.collect()  # objects holding the group (DDP's reducer, its buckets) go first, then every rank
+        dist.barrier()  # leaves together: gloo aborts a process now and then when a peer tears down mid-exchange
         dist.destroy_process_group()
 
 

@@ -23,7 +23,7 @@ from conftest import REPO
 CELLS = [  # the shapes of the lessons' explore calls: int sliders, a list, a printing draw
     "import matplotlib.pyplot as plt\nfrom parakit import viz",
     "viz.explore(lambda n: viz.ring_steps(n), n=(3, 8))",
-    "viz.explore(viz.pipeline_schedule_figure, schedule=['interleaved', '1f1b', 'gpipe'], p=(2, 8), m=(8, 32), v=(2, 4))",
+    "viz.explore(viz.pipeline_schedule_figure, schedule=['interleaved', '1f1b', 'gpipe', 'zbh1', 'zbh2', 'zbv'], p=(2, 8), m=(8, 32), v=(2, 4))",
     "def bars(k):\n    print('k =', k)\n    plt.subplots(figsize=(3, 2))[1].bar(range(k + 1), range(k + 1))\n"
     "viz.explore(bars, k=(0, 16))",
     "viz.explore(viz.checkpoint_plan, n=(16, 64), segments=(4, 16))",

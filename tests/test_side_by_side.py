@@ -94,6 +94,21 @@ def test_the_counter_names_each_collective_alike_whichever_library_issued_it():
         ["allreduce", "allreduce", "allgather", "allgather", "reducescatter", "reducescatter", "recv", "send"]
 
 
+def counted_by_group():
+    import torch.distributed._functional_collectives as funcol
+    pair = dist.new_group([0, 1])
+    with side_by_side.CallCounter() as counter:
+        dist.all_reduce(torch.ones(2))
+        if dist.get_rank() < 2:
+            dist.all_reduce(torch.ones(2), group=pair)  # c10d: the group is an argument
+            funcol.all_reduce(torch.ones(2), "sum", pair).wait()  # functional: the group's name is
+    return dict(counter.by_group)
+
+
+def test_the_counter_names_the_group_each_call_ran_on():
+    assert parakit.launch(counted_by_group, world_size=4)[0] == {("allreduce", (0, 1, 2, 3)): 1, ("allreduce", (0, 1)): 2}
+
+
 def ddp_twice():
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
