@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "parakit"
 LAYERS = {
     "base": ("parakit.groups", "parakit.devices", "parakit.comm"),
     "technique": ("parakit.dp", "parakit.ddp", "parakit.zero", "parakit.pipeline", "parakit.checkpoint",
-                  "parakit.tensor_parallel", "parakit.parallel3d", "parakit.mesh"),
+                  "parakit.tensor_parallel", "parakit.parallel3d", "parakit.mesh", "parakit.moe"),
     "top": ("parakit", "parakit.launcher", "parakit._worker", "parakit.magic", "parakit.grading", "parakit.viz",
             "parakit.train", "parakit.torchrun", "parakit.side_by_side"),
 }
