@@ -78,7 +78,7 @@ class MoE(nn.Module):
                              f"use a multiple of {groups} tokens")
         outs, self.routings = [], []
         for part in tokens.chunk(groups) if groups > 1 else [tokens]:  # [tokens/groups, hidden]
-            routing = self.router(part)
+            routing = self.router.route(part)
             order, counts = by_expert(routing.experts, routing.slots, len(self.experts))
             y = run_by_expert(part[order // self.router.k], counts.tolist(), self.experts)  # [kept, hidden]
             outs.append(weigh_and_sum(y, order, routing.gates, part.shape[0]))

@@ -140,7 +140,7 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_width(x, self.hidden)
         tokens = x.reshape(-1, self.hidden)  # [tokens, hidden]
-        r = self.routing = self.router(tokens)
+        r = self.routing = self.router.route(tokens)
         received, self.recv_counts = dispatch(tokens, r.experts, r.slots, self.num_experts, self.group)
         y = run_local_experts(received, self.recv_counts, self.experts)  # [rows, hidden]
         out = combine(y, self.recv_counts, r.experts, r.gates, r.slots, self.num_experts, self.group)

@@ -102,7 +102,8 @@ class Routing:
 
 
 class Router(nn.Module):
-    """A linear router (no bias) with softmax, top-k and capacity: x [tokens, hidden] -> Routing."""
+    """A linear router (no bias): `forward(x)` gives the logits [tokens, E]; `route(x)` the
+    Routing of tokens x [tokens, hidden] (softmax, top-k, capacity)."""
 
     def __init__(self, hidden: int, num_experts: int, k: int = 1, capacity_factor: float = 1.25):
         super().__init__()
@@ -110,11 +111,14 @@ class Router(nn.Module):
         self.num_experts, self.k, self.capacity_factor = num_experts, k, capacity_factor
         self.weight = nn.Parameter(nn.Linear(hidden, num_experts, bias=False).weight.detach())  # [E, hidden]
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[-1] != self.weight.shape[1]:
             raise ValueError(f"the router takes tokens [tokens, {self.weight.shape[1]}], got {list(x.shape)}: "
                              f"flatten the batch and give each token width {self.weight.shape[1]} (the hidden size)")
-        logits = F.linear(x, self.weight)  # [tokens, E]
+        return F.linear(x, self.weight)  # [tokens, E]
+
+    def route(self, x: torch.Tensor) -> Routing:
+        logits = self(x)
         probs = logits.float().softmax(-1).to(x.dtype)
         capacity = expert_capacity(x.shape[0], self.num_experts, self.k, self.capacity_factor)
         experts, gates, slots = top_k_route(probs, self.k, capacity)
