@@ -661,3 +661,67 @@ def long_sequences(seq: int = 8192, n: int = 4, heads: int = 32, head_dim: int =
     axes[2].set_title("Korthikanti et al.'s model: sbh(34 + 5as/h), divided", fontsize=9)
     fig.tight_layout()
     return fig
+
+
+# ---------------------------------------------------------------- lesson 09: mixture of experts
+
+def moe_routing(experts: int = 4, k: int = 1, capacity_factor: float = 1.25, tokens: int = 32, skew: float = 1.0,
+                seed: int = 0, ax=None):
+    """A random router (parakit.moe.Router, seeded) routing `tokens` tokens of width 16 (drawn
+    with `skew` along one direction, as moe.train.batch does): the choices each expert keeps
+    and drops, and its capacity, all computed by the router itself."""
+    import torch
+    from parakit import moe
+
+    torch.manual_seed(seed)
+    router = moe.Router(16, experts, k, capacity_factor)
+    with torch.no_grad():
+        routing = router.route(moe.train.batch(0, tokens, 16, seed, skew)[0])
+    kept = routing.tokens_per_expert()
+    chosen = torch.bincount(routing.experts.reshape(-1), minlength=experts)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.2))
+    ax.bar(range(experts), kept.tolist(), color="#264653", label="kept")
+    ax.bar(range(experts), (chosen - kept).tolist(), bottom=kept.tolist(), color="#e76f51", label="dropped")
+    ax.axhline(routing.capacity, color="#2a9d8f", linestyle="--", label=f"capacity {routing.capacity}")
+    ax.set_xticks(range(experts))
+    ax.set_xlabel("expert")
+    ax.set_ylabel("choices routed")
+    ax.set_title(f"{tokens} tokens, top-{k} of {experts}, capacity factor {capacity_factor}: "
+                 f"{routing.dropped()} of {tokens * k} choices dropped", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.figure.tight_layout()
+    return ax.figure
+
+
+def load_over_steps(runs: dict[str, Sequence[Sequence[int]]], *, what: str, title: str):
+    """One panel per run: `runs[name][step][i]` tokens handled by expert (or rank) i at each
+    step, a line each, with the even share dotted."""
+    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 3.2), sharey=True, squeeze=False)
+    for ax, (name, rows) in zip(axes[0], runs.items()):
+        columns = list(zip(*rows))
+        for i, column in enumerate(columns):
+            ax.plot(range(len(rows)), column, lw=1.2, label=f"{what} {i}")
+        ax.axhline(sum(rows[0]) / len(rows[0]), color="black", linestyle=":", label="even share")
+        ax.set_xlabel("step")
+        ax.set_title(name, fontsize=9)
+    axes[0][0].set_ylabel(f"tokens per {what}")
+    axes[0][-1].legend(fontsize=7, ncol=2)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def dropped_vs_capacity(factors: Sequence[float], dropped: dict[str, Sequence[float]], *, title: str, ax=None):
+    """Fraction of choices dropped against the capacity factor, one line per router, with the
+    model for perfectly even routing, max(0, 1 - factor), dotted."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.2))
+    for name, fractions in dropped.items():
+        ax.plot(factors, fractions, "o-", label=f"{name} (measured)")
+    ax.plot(factors, [max(0.0, 1 - f) for f in factors], ":", color="black", label="even routing (model): max(0, 1 - c)")
+    ax.set_xlabel("capacity factor c")
+    ax.set_ylabel("fraction of choices dropped")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    return ax.figure
