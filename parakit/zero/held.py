@@ -21,6 +21,7 @@ def held_bytes(module: nn.Module, optimizer=None) -> dict[str, int]:
     else:
         params = list(module.parameters())
         groups = {"parameters": params, "gradients": [p.grad for p in params if p.grad is not None]}
+    groups["gradients"] = groups["gradients"] + (optimizer.in_flight() if hasattr(optimizer, "in_flight") else [])
     state = optimizer.state.values() if optimizer is not None else []
     groups["optimizer"] = [t for s in state for t in s.values() if isinstance(t, torch.Tensor)]
     return {kind: _storage_bytes(tensors) for kind, tensors in groups.items()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parakit.groups import global_rank
+from parakit.ddp import assign_buckets
 
 __all__ = ["ShardedOptimizer", "partition_parameters"]
 
@@ -22,26 +22,72 @@ def partition_parameters(groups: list[list[torch.Tensor]], world_size: int) -> l
     return owners
 
 
+class _OwnerBucket:
+    """Parameters whose gradients and updated values travel together: laid out by owner, each
+    rank's parameters one after another in its segment of `chunk` elements (the longest
+    rank's; the others padded), so that a reduce-scatter gives each rank the sum of exactly
+    the gradients it owns and an all-gather of the segments gives everyone every parameter.
+    The parameters become views of `values`, the bucket's [N * chunk] buffer, so that the
+    all-gather writes them in place (the padding is held too: fewer elements than the
+    largest rank's share of the bucket less the smallest's)."""
+
+    def __init__(self, params: list[torch.Tensor], owners: list[int], world_size: int):
+        self.params, self.owners, self.world_size = params, owners, world_size
+        used = [0] * world_size
+        self.places = []  # where each parameter sits in the flat [N * chunk] buffer
+        for p, owner in zip(params, owners):
+            self.places.append((owner, used[owner]))
+            used[owner] += p.numel()
+        self.chunk = max(used)
+        self.slices = [slice(o * self.chunk + a, o * self.chunk + a + p.numel())
+                       for (o, a), p in zip(self.places, params)]
+        self.values = self.flat([p.detach() for p in params])  # [N * chunk]: the parameters live here
+        for p, where in zip(params, self.slices):
+            p.data = self.values[where].view_as(p)
+
+    def flat(self, tensors) -> torch.Tensor:
+        """A zeroed [N * chunk] buffer with each tensor (None: zeros) in its parameter's place."""
+        flat = torch.zeros(self.world_size * self.chunk, dtype=self.params[0].dtype, device=self.params[0].device)
+        for t, where in zip(tensors, self.slices):
+            if t is not None:
+                flat[where] = t.reshape(-1)
+        return flat
+
+
 class ShardedOptimizer:
     """ZeRO-1 (stage=1) or ZeRO-2 (stage=2) around any torch.optim class.
 
     `params`: tensors or param-group dicts, as for `optimizer_cls`; gradients are this rank's
     own (no DDP): the optimizer averages them, so every rank must give gradients to the same
     parameters. Each rank keeps the state of its parameters only; `state_dict()` gathers the
-    whole state, as `optimizer_cls` would save it. Each gradient is reduced to its owner (in
-    `step()` at stage 1, in backward at stage 2, where the other ranks drop it): a
-    reduce-scatter whose pieces are whole parameters, one `dist.reduce` per piece.
+    whole state, as `optimizer_cls` would save it.
+
+    Communication goes by buckets of `bucket_size_mb` (parameters in reverse order, as
+    BucketedDDP; None: one bucket), each laid out by owner (`_OwnerBucket`). A bucket's
+    gradients are reduce-scattered as soon as backward has accumulated its last one
+    (asynchronously, overlapping the rest of backward; at stage 2 the other ranks' gradients
+    are dropped then); `step()` waits for them, steps this rank's parameters and all-gathers
+    every bucket's updated segments. `gradient_collective="all_reduce"` reduces each bucket with
+    an all-reduce instead (every rank gets the whole sum and keeps its segment): on gloo, whose
+    reduce-scatter writes as many bytes as its all-reduce, measure which is faster
+    (benchmarks/bench_zero.py).
     """
 
-    def __init__(self, params, optimizer_cls, *, stage: int = 1, group=None, **defaults):
+    def __init__(self, params, optimizer_cls, *, stage: int = 1, group=None, bucket_size_mb: float | None = 25.0,
+                 gradient_collective: str = "reduce_scatter", **defaults):
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass such as torch.optim.AdamW "
                             f"(the class, not an instance), got {optimizer_cls!r}")
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 (shard optimizer state) or 2 (and gradients), got {stage!r}; "
                              f"for stage 3 wrap the model in FullyShardedDataParallel")
+        if bucket_size_mb is not None and not bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb must be > 0 (or None for one bucket), got {bucket_size_mb}")
+        if gradient_collective not in ("reduce_scatter", "all_reduce"):
+            raise ValueError(f"gradient_collective must be 'reduce_scatter' or 'all_reduce', got {gradient_collective!r}")
         groups = _param_groups(params)
         self.group, self.stage, self.optimizer_cls = group, stage, optimizer_cls
+        self.gradient_collective = gradient_collective
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.params = [p for g in groups for p in g["params"]]
         self.owners = partition_parameters([g["params"] for g in groups], self.world_size)
@@ -49,9 +95,16 @@ class ShardedOptimizer:
         mine = [{**g, "params": [p for p in g["params"] if self._owner_of(p) == self.rank]} for g in groups]
         self.optimizer = optimizer_cls(mine, **defaults)
         self.param_groups = [{**local, "params": g["params"]} for local, g in zip(self.optimizer.param_groups, groups)]
-        for p in self.params:
-            if stage == 2 and p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._reduce_gradient)
+        trainable = [p for p in self.params if p.requires_grad]
+        self.buckets = [_OwnerBucket(ps, [self._owner_of(p) for p in ps], self.world_size)
+                        for ps in assign_buckets(trainable, bucket_size_mb)]
+        self._place = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
+        self._ready = [set() for _ in self.buckets]  # ids of each bucket's parameters accumulated since the last step
+        self._next = 0  # the next bucket to launch: in order, the same on every rank
+        self._pending = []  # (bucket, flat gradient buffer, this rank's segment of it, work), in launch order
+        self._stale = False  # a gradient accumulated after its bucket went: step() reduces everything again
+        for p in trainable:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _owner_of(self, param: torch.Tensor) -> int:
         return self.owners[self._index[id(param)]]
@@ -61,32 +114,86 @@ class ShardedOptimizer:
         """The optimizer state this rank holds: its own parameters' only."""
         return self.optimizer.state
 
-    def _reduce_gradient(self, param: torch.Tensor) -> None:
-        """Averages `param.grad` onto its owner: each rank divides by N and the sum goes to the
-        owner only (dist.reduce: its bytes, along a chain; one piece of the reduce-scatter);
-        the other ranks drop their copy at stage 2."""
-        owner = self._owner_of(param)
-        param.grad.div_(self.world_size)
-        dist.reduce(param.grad, global_rank(self.group, owner), group=self.group)
-        if owner != self.rank and self.stage == 2:
-            param.grad = None
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        """Backward accumulated `param.grad`: launch every bucket, in order, whose gradients are all there."""
+        b = self._place[id(param)]
+        if b < self._next or id(param) in self._ready[b]:
+            if self.stage == 2:
+                raise RuntimeError("ZeRO-2 reduces each gradient during backward and drops it elsewhere: call "
+                                   "optimizer.step() (or zero_grad()) after each backward; to accumulate over "
+                                   "several batches use stage=1")
+            self._stale = True
+            return
+        self._ready[b].add(id(param))
+        while self._next < len(self.buckets) and len(self._ready[self._next]) == len(self.buckets[self._next].params):
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        """Sends: one reduce-scatter of the bucket's N * chunk elements (each rank receives the sum
+        of its segment), or an all-reduce of them; at stage 2 the gradients go from `.grad`."""
+        bucket = self.buckets[self._next]
+        flat = bucket.flat([p.grad for p in bucket.params])  # [N * chunk], laid out by owner
+        if self.stage == 2:
+            for p in bucket.params:
+                p.grad = p.grad if self._owner_of(p) == self.rank else None
+        segment = slice(self.rank * bucket.chunk, (self.rank + 1) * bucket.chunk)
+        if self.gradient_collective == "all_reduce":
+            out, work = flat[segment], dist.all_reduce(flat, group=self.group, async_op=True)
+        else:
+            out = torch.empty(bucket.chunk, dtype=flat.dtype, device=flat.device)  # [chunk]
+            work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
+        self._pending.append((bucket, flat, out, work))
+        self._next += 1
+
+    def finish_gradient_synchronization(self) -> None:
+        """Launch the buckets not launched yet (all of them if a gradient came after its bucket
+        went), wait for every reduction and put the averages into the owned parameters' `.grad`."""
+        if self._stale:
+            self._drop_pending()
+        while self._next < len(self.buckets):
+            self._launch_next()
+        for bucket, _, out, work in self._pending:
+            work.wait()
+            out.div_(self.world_size)
+            for p, (owner, a) in zip(bucket.params, bucket.places):
+                if owner != self.rank:
+                    continue
+                average = out[a:a + p.numel()].view_as(p)
+                if p.grad is not None:
+                    p.grad.copy_(average)
+                elif average.any():  # other ranks gave it a gradient
+                    p.grad = average.clone()
+        self._drop_pending()
+
+    def _drop_pending(self) -> None:
+        for *_, work in self._pending:
+            work.wait()
+        self._pending, self._next, self._stale = [], 0, False
+        for ready in self._ready:
+            ready.clear()
+
+    def in_flight(self) -> list[torch.Tensor]:
+        """The gradient buffers of the reductions not finished yet (for zero.held_bytes)."""
+        return [t for _, flat, out, _ in self._pending for t in (flat, out)]
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Average the gradients onto their owners (stage 1; stage 2 did it in backward), step
-        this rank's parameters, and broadcast each parameter from its owner (its bytes)."""
-        if self.stage == 1:
-            for p in self.params:
-                if p.grad is not None:
-                    self._reduce_gradient(p)
+        """Finish averaging the gradients onto their owners, step this rank's parameters, and
+        all-gather each bucket's updated segments (sends (N-1) x chunk elements per bucket)."""
+        self.finish_gradient_synchronization()
         for full, local in zip(self.param_groups, self.optimizer.param_groups):
             local.update({k: v for k, v in full.items() if k != "params"})
         loss = self.optimizer.step(closure)
-        for p, owner in zip(self.params, self.owners):
-            dist.broadcast(p, global_rank(self.group, owner), group=self.group)
+        works = []
+        for bucket in self.buckets:
+            mine = bucket.values[self.rank * bucket.chunk:(self.rank + 1) * bucket.chunk].clone()  # [chunk]
+            works.append(dist.all_gather_single(bucket.values, mine, group=self.group, async_op=True))
+        for work in works:
+            work.wait()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._drop_pending()
         for p in self.params:
             if set_to_none:
                 p.grad = None
