@@ -57,7 +57,8 @@ def build(setup: str, ours: bool, layers: int, hidden: int):
             fully_shard(unit, mesh=mesh)
         return net, torch.optim.AdamW(net.parameters(), lr=1e-3)
     if setup in ("ZeRO-1", "ZeRO-2") and ours:
-        return net, zero.ShardedOptimizer(net.parameters(), torch.optim.AdamW, stage=int(setup[-1]), lr=1e-3)
+        return net, zero.ShardedOptimizer(net.parameters(), torch.optim.AdamW, stage=int(setup[-1]), lr=1e-3,
+                                          gradient_collective=os.environ.get("ZC", "reduce_scatter"))
     model = DistributedDataParallel(net)
     if setup == "DDP + AdamW":
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)

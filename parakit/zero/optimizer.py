@@ -67,14 +67,16 @@ class ShardedOptimizer:
     gradients are reduce-scattered as soon as backward has accumulated its last one
     (asynchronously, overlapping the rest of backward; at stage 2 the other ranks' gradients
     are dropped then); `step()` waits for them, steps this rank's parameters and all-gathers
-    every bucket's updated segments. `gradient_collective="all_reduce"` reduces each bucket with
-    an all-reduce instead (every rank gets the whole sum and keeps its segment): on gloo, whose
-    reduce-scatter writes as many bytes as its all-reduce, measure which is faster
-    (benchmarks/bench_zero.py).
+    every bucket's updated segments. `gradient_collective`: "reduce_scatter" (the default on
+    NCCL: a ring sends (N-1)/N of the bucket) or "all_reduce" (the default on gloo: every rank
+    gets the whole sum and keeps its segment). gloo's reduce-scatter reduces the whole bucket
+    as its all-reduce does, so it writes as many bytes (2(N-1)/N, measured in lesson 00), and
+    it also copies the bucket: on 4 gloo ranks it was slower and held more at its peak
+    (benchmarks/bench_zero.py measures both).
     """
 
     def __init__(self, params, optimizer_cls, *, stage: int = 1, group=None, bucket_size_mb: float | None = 25.0,
-                 gradient_collective: str = "reduce_scatter", **defaults):
+                 gradient_collective: str | None = None, **defaults):
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass such as torch.optim.AdamW "
                             f"(the class, not an instance), got {optimizer_cls!r}")
@@ -83,9 +85,11 @@ class ShardedOptimizer:
                              f"for stage 3 wrap the model in FullyShardedDataParallel")
         if bucket_size_mb is not None and not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be > 0 (or None for one bucket), got {bucket_size_mb}")
+        groups = _param_groups(params)
+        if gradient_collective is None:  # gloo's reduce-scatter writes as much as its all-reduce, and copies
+            gradient_collective = "all_reduce" if dist.get_backend(group) == "gloo" else "reduce_scatter"
         if gradient_collective not in ("reduce_scatter", "all_reduce"):
             raise ValueError(f"gradient_collective must be 'reduce_scatter' or 'all_reduce', got {gradient_collective!r}")
-        groups = _param_groups(params)
         self.group, self.stage, self.optimizer_cls = group, stage, optimizer_cls
         self.gradient_collective = gradient_collective
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
