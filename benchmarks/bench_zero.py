@@ -13,7 +13,9 @@ allocator saw since the model was built, counted by torch.profiler with profile_
 also sees buffers kept inside torch's DDP and FSDP2 and storages resized in place), parakit's
 over torch's,
 with parakit's peak of parameters, gradients and optimizer state from zero.HeldBytesPeak beside it;
-parakit's bytes against the ZeRO table. The issue's bars are marked PASS or FAIL; nothing is asserted.
+parakit's bytes against the ZeRO table; ShardedOptimizer's other gradient collective (reduce-scatter, where
+gloo's default is all-reduce) measured beside it; the load average before and after. The issue's bars are
+marked PASS or FAIL; nothing is asserted.
 """
 from __future__ import annotations
 
@@ -39,8 +41,9 @@ def local_bytes(tensors) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}.values())
 
 
-def build(setup: str, ours: bool, layers: int, hidden: int):
-    """The model and optimizer of `setup`, parakit's or torch's."""
+def build(setup: str, ours: bool, layers: int, hidden: int, collective=None):
+    """The model and optimizer of `setup`, parakit's or torch's (`collective`: ShardedOptimizer's
+    gradient_collective; None: its default for the backend)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -58,7 +61,7 @@ def build(setup: str, ours: bool, layers: int, hidden: int):
         return net, torch.optim.AdamW(net.parameters(), lr=1e-3)
     if setup in ("ZeRO-1", "ZeRO-2") and ours:
         return net, zero.ShardedOptimizer(net.parameters(), torch.optim.AdamW, stage=int(setup[-1]), lr=1e-3,
-                                          gradient_collective=os.environ.get("ZC", "reduce_scatter"))
+                                          gradient_collective=collective)
     model = DistributedDataParallel(net)
     if setup == "DDP + AdamW":
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -78,13 +81,13 @@ def allocated_peak(profiler, window: str) -> int:
     return peak
 
 
-def on_ranks(setup, ours, layers, hidden, steps):
+def on_ranks(setup, ours, layers, hidden, steps, collective=None):
     """Step times, bytes held after the last step, the allocator's peak during the second
     step (everything allocated since the model was built counted), and parakit's peak of
     what zero.HeldBytesPeak walks."""
     x, y = torch.randn(16, hidden), torch.randn(16, hidden)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiled:
-        model, optimizer = build(setup, ours, layers, hidden)
+        model, optimizer = build(setup, ours, layers, hidden, collective)
         step_once(setup, ours, model, optimizer, x, y)  # creates the optimizer state
         with torch.profiler.record_function("second step"):
             step_once(setup, ours, model, optimizer, x, y)
@@ -125,6 +128,7 @@ def main():
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up)")
     options = parser.parse_args()
+    load_before = os.getloadavg()[0]
     n, psi = options.ranks, options.layers * (options.hidden + 1) * options.hidden
     rows = []
     for stage, setup in enumerate(SETUPS):
@@ -144,6 +148,21 @@ def main():
                  (f"{setup}: peak bytes allocated per rank, parakit (max)", f"{peak[0]:12,d}", "", ""),
                  (f"{setup}: ... parakit / torch", f"{peak[0] / peak[1]:10.2f} x ", "", ""),
                  (f"{setup}: parakit peak of parameters, gradients, state", f"{max(r[2][1] for r in ours):12,d}", "", "")]
+        if stage in (1, 2):
+            rows += [(f"{setup}: step time / ZeroRedundancyOptimizer's", f"{step[0] / step[1]:10.2f} x ", "<= 1.10",
+                      mark(step[0] <= 1.10 * step[1])),
+                     (f"{setup}: peak bytes / ZeroRedundancyOptimizer's", f"{peak[0] / peak[1]:10.2f} x ", "<= 1.00",
+                      mark(peak[0] <= peak[1]))]
+            other = parakit.launch(on_ranks, setup, True, *args, "reduce_scatter", world_size=n, timeout=600)
+            other_step = statistics.median(max(r[0][k] for r in other) for k in range(options.steps))
+            rows += [(f"{setup} with reduce_scatter (gloo's): step / torch's", f"{other_step / step[1]:10.2f} x ", "", ""),
+                     (f"{setup} with reduce_scatter (gloo's): peak / torch's",
+                      f"{max(r[2][0] for r in other) / peak[1]:10.2f} x ", "", "")]
+        if stage == 3:
+            rows += [(f"{setup}: step time / fully_shard's", f"{step[0] / step[1]:10.2f} x ", "<= 1.10",
+                      mark(step[0] <= 1.10 * step[1])),
+                     (f"{setup}: peak bytes / fully_shard's", f"{peak[0] / peak[1]:10.2f} x ", "<= 1.00",
+                      mark(peak[0] <= peak[1]))]
         if stage == 1:
             largest = 8 * options.hidden ** 2 + 4
             off = max(abs(r[1]["optimizer"] - (8 * psi + 8 * options.layers) / n) for r in ours)
@@ -152,11 +171,13 @@ def main():
             off = max(r[1]["parameters"] - 4 * psi / n for r in ours)
             rows.append(("ZeRO-3 parameter bytes at rest - 4 Psi/N", f"{off:12,.0f}", f"< {4 * options.layers * n}",
                          mark(0 <= off < 4 * options.layers * n)))
+    print(f"load average (1 min) before: {load_before:.2f}")
     print(f"ZeRO on {n} gloo ranks, {options.layers} x Linear({options.hidden}), Psi = {psi:,}, AdamW, fp32 -- torch "
           f"{torch.__version__}, {os.cpu_count()} CPU cores, median of {options.steps} steps")
     width = max(len(r[0]) for r in rows)
     for name, value, bar, verdict in rows:
         print(f"  {name:<{width}}  {value:>14}  {bar:>12}  {verdict}")
+    print(f"load average (1 min) after: {os.getloadavg()[0]:.2f} (2 cores shared: above 2, the times are not to be trusted)")
 
 
 if __name__ == "__main__":
