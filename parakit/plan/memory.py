@@ -6,7 +6,8 @@ simulator) and transient buffers. Every figure is a model; `plan.measure` checks
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from parakit.pipeline import build_schedule, simulate
 from parakit.plan.spec import DTYPES, Cluster, Config, Model, problems
@@ -27,18 +28,26 @@ class PlanError(ValueError):
 @dataclass
 class Memory:
     """Bytes on one device (pipeline rank `stage`): `items` maps parameters, gradients,
-    optimizer, activations, transient to bytes; `peak` is their sum; `fits` against the
-    device's memory (None without a cluster). A model, not a measurement."""
+    optimizer, activations, transient to bytes; `fits` against the device's memory (None
+    without a cluster). A model, not a measurement.
+
+    `peak` is their sum when gradients live beside activations (a later micro-batch's
+    forward after an earlier one's backward); with one micro-batch and gradients set to None
+    between steps they do not: the peak is then the larger of the end of the forward (no
+    gradients yet) and the end of the backward (no activations left)."""
 
     stage: int
     items: dict[str, float]
     in_flight: int
+    accumulates: bool = True
     fits: bool | None = None
-    notes: list[str] = field(default_factory=list)
 
     @property
     def peak(self) -> float:
-        return sum(self.items.values())
+        total = sum(self.items.values())
+        if self.accumulates:
+            return total
+        return total - min(self.items["gradients"], self.items["activations"])
 
 
 def layer_params(model: Model, tp: int, ep: int = 1) -> tuple[int, int]:
@@ -109,7 +118,12 @@ def in_flight(config: Config) -> list[int]:
     if config.pp == 1:
         return [1]
     v = config.v if config.schedule in ("interleaved", "zbv") else None
-    return simulate(build_schedule(config.schedule, config.pp, config.microbatches, v)).peak_activations
+    return list(_peaks(config.schedule, config.pp, config.microbatches, v))
+
+
+@lru_cache(maxsize=512)
+def _peaks(schedule: str, p: int, m: int, v: int | None) -> tuple[int, ...]:
+    return tuple(simulate(build_schedule(schedule, p, m, v)).peak_activations)
 
 
 def memory(model: Model, cluster: Cluster | None, config: Config, stage: int | None = None) -> Memory:
@@ -137,8 +151,10 @@ def memory(model: Model, cluster: Cluster | None, config: Config, stage: int | N
         transient += layer_activation_bytes(model, replace(config, checkpointing="none"))
     if config.zero == 3:  # one layer's parameters gathered (and its gradient before the reduce-scatter)
         transient += 2 * sum(layer_params(model, config.tp, config.ep)) * pbytes
+    if config.ddp_buckets and config.zero == 0:  # the buckets hold a second copy of the gradients
+        transient += states["gradients"]
     items = {**states, "activations": activations, "transient": transient}
-    result = Memory(stage, items, held)
+    result = Memory(stage, items, held, accumulates=config.microbatches > 1 or config.pp > 1)
     if cluster is not None:
         result.fits = result.peak <= cluster.memory
     return result

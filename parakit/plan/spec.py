@@ -90,6 +90,7 @@ class Config:
     zero: int = 0
     dtype: str = "bf16"
     checkpointing: str = "none"
+    ddp_buckets: bool = False  # gradients also copied into flat buckets (parakit's BucketedDDP; torch DDP by default)
 
     @property
     def devices(self) -> int:

@@ -11,6 +11,7 @@ simulator running the schedule with those times. Every figure is a model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from parakit.context_parallel import ring_bytes_per_rank
 from parakit.pipeline import build_schedule, simulate
@@ -143,49 +144,61 @@ def _flops(model: Model, config: Config, stage: int) -> tuple[float, float]:
     return fwd, 2 * fwd + extra
 
 
+@lru_cache(maxsize=4096)
+def _pipeline(schedule: str, p: int, m: int, v: int | None, f: float, b: float, send: float):
+    """(makespan, seconds each rank spends sending) of the schedule run by the simulator with
+    these times for one F, one B (halved into B and W for zero-bubble) and one send."""
+    times = {"F": f, "B": b, "W": 0, "SEND_F": send, "SEND_B": send}
+    if schedule in ("zbh1", "zbv"):
+        times.update(B=b / 2, W=b / 2)
+    line = simulate(build_schedule(schedule, p, m, v), times)
+    sends = [0.0] * p
+    for e in line.events:
+        if e.action.op in ("SEND_F", "SEND_B"):
+            sends[e.rank] += float(e.end - e.start)
+    return float(line.makespan), tuple(sends)
+
+
 def step_time(model: Model, cluster: Cluster, config: Config) -> StepTime:
     """One step's time on the slowest pipeline rank. tp and ep collectives sit on the
     critical path (exposed, added to each F and B); pipeline sends delay the next stage
-    (the simulator's SEND times); ring attention's sends hide behind attention; the
-    data-parallel reduction hides behind the last micro-batch's backward where it fits."""
+    (the simulator's SEND times, every stage paced by the slowest); ring attention's sends
+    hide behind attention; the data-parallel reduction behind the last micro-batch's
+    backward (ZeRO-3's gathers behind the forwards) where they fit."""
     reasons = problems(model, cluster, config)
     if reasons:
         raise PlanError(reasons)
-    rate = cluster.flops * cluster.efficiency
-    worst = None
+    rate, m = cluster.flops * cluster.efficiency, config.microbatches
+    stages = []
     for stage in range(config.pp):
         fwd, bwd = (x / rate for x in _flops(model, config, stage))
         calls = traffic(model, config, stage)
         secs = {c: c.seconds(*link(cluster, config, c.group, c.size)) for c in calls}
-        exposed = {c.group: secs[c] for c in calls if c.group in ("tp", "ep")}
-        per_mb = sum(exposed.values()) / config.microbatches
-        f_time, b_time = fwd + per_mb / 3, bwd + 2 * per_mb / 3
-        hidden = {}
-        sends = [c for c in calls if c.group == "pp"]
-        send = secs[sends[0]] / sends[0].count if sends and sends[0].count else 0.0
-        if config.pp > 1:
-            v = config.v if config.schedule in ("interleaved", "zbv") else None
-            sched = build_schedule(config.schedule, config.pp, config.microbatches, v)
-            times = {"F": f_time / config.v, "B": b_time / config.v, "W": 0, "SEND_F": send, "SEND_B": send}
-            if config.schedule in ("zbh1", "zbv"):
-                times.update(B=b_time / config.v / 2, W=b_time / config.v / 2)
-            line = simulate(sched, times)
-            span, busy = float(line.makespan), config.microbatches * (f_time + b_time)
-            exposed["pp"] = float(sum(e.end - e.start for e in line.events if e.rank == stage
-                                      and e.action.op in ("SEND_F", "SEND_B")))
-            bubble = max(0.0, span - busy - exposed["pp"])
-        else:
-            bubble = 0.0
+        critical = sum(secs[c] for c in calls if c.group in ("tp", "ep")) / m
+        stages.append((fwd, bwd, calls, secs, fwd + critical / 3, bwd + 2 * critical / 3))
+    span, sends = 0.0, {}
+    if config.pp > 1:
+        f_time, b_time = max(x[4] for x in stages), max(x[5] for x in stages)
+        send = max((secs[c] / c.count for _, _, calls, secs, _, _ in stages for c in calls if c.group == "pp"
+                    and c.count), default=0.0)
+        v = config.v if config.schedule in ("interleaved", "zbv") else None
+        span, per_rank = _pipeline(config.schedule, config.pp, m, v, f_time / config.v, b_time / config.v, send)
+        sends = dict(enumerate(per_rank))
+    worst = None
+    for stage, (fwd, bwd, calls, secs, f_time, b_time) in enumerate(stages):
+        exposed, hidden = {}, {}
         for c in calls:
-            if c.group in ("cp", "dp"):
-                window = {"attention": bwd * config.microbatches / 3, "backward": bwd,
-                          "forward": fwd}.get(c.overlap, 0.0)
-                if c.group == "dp" and c.op == "all_gather":
-                    window = fwd * config.microbatches
+            if c.group in ("tp", "ep"):
+                exposed[c.group] = exposed.get(c.group, 0.0) + secs[c]
+            elif c.group in ("cp", "dp"):
+                window = {"attention": bwd * m / 3, "backward": bwd, "forward": fwd * m}.get(c.overlap, 0.0)
                 exposed[c.group] = exposed.get(c.group, 0.0) + max(0.0, secs[c] - window)
                 hidden[c.group] = hidden.get(c.group, 0.0) + min(secs[c], window)
-        compute = config.microbatches * (fwd + bwd)
-        result = StepTime(compute, exposed, hidden, bubble)
+        bubble = 0.0
+        if config.pp > 1:
+            exposed["pp"] = sends.get(stage, 0.0)
+            bubble = max(0.0, span - m * (f_time + b_time) - exposed["pp"])
+        result = StepTime(m * (fwd + bwd), exposed, hidden, bubble)
         if worst is None or result.total > worst.total:
             worst = result
     return worst
