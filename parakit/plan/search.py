@@ -61,8 +61,8 @@ def search(model: Model, cluster: Cluster, global_batch: int, microbatch_sizes=(
         if not mem.fits:
             over = mem.peak - cluster.memory
             rejected.append(Candidate(config, mem.peak, reasons=(
-                f"needs {mem.peak / 2**30:.1f} GiB on pipeline rank {mem.stage}, {over / 2**30:.1f} GiB over the "
-                f"device's {cluster.memory / 2**30:.0f} GiB",)))
+                f"needs {mem.peak / 1e9:.2f} GB on pipeline rank {mem.stage}, {over / 1e9:.2f} GB over the "
+                f"device's {cluster.memory / 1e9:.2f} GB",)))
             continue
         fits.append(Candidate(config, mem.peak, step_time(model, cluster, config).total))
     fits.sort(key=lambda c: (c.seconds, c.peak))
