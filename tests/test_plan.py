@@ -101,7 +101,15 @@ MEASURED = [Config(dp=2, microbatches=2, microbatch=4, dtype="fp32", ddp_buckets
             Config(pp=2, microbatches=2, microbatch=4, dtype="fp32", ddp_buckets=True),
             Config(dp=2, zero=1, microbatch=8, dtype="fp32"),
             Config(dp=2, zero=3, microbatch=8, dtype="fp32"),
-            Config(dp=2, tp=2, microbatches=2, microbatch=4, dtype="fp32", checkpointing="full", ddp_buckets=True)]
+            Config(dp=2, tp=2, microbatches=2, microbatch=4, dtype="fp32", checkpointing="full", ddp_buckets=True),
+            Config(dp=2, zero=2, microbatch=8, dtype="fp32"),
+            Config(pp=2, microbatches=4, microbatch=2, schedule="gpipe", dtype="fp32", ddp_buckets=True),
+            Config(dp=4, microbatch=4, dtype="fp32", ddp_buckets=True),
+            Config(dp=2, pp=2, microbatches=2, microbatch=4, dtype="fp32", ddp_buckets=True)]
+# Measured but outside the 10% peak bar (see the lesson's table): dp4 zero3 (-13%), tp2 pp2 with full
+# checkpointing (-20%); their bytes sent are within 0.2%.
+OUTSIDE_PEAK_BAR = [Config(dp=4, zero=3, microbatch=4, dtype="fp32"),
+                    Config(tp=2, pp=2, microbatches=2, microbatch=8, dtype="fp32", ddp_buckets=True, checkpointing="full")]
 
 
 @pytest.mark.parametrize("config", MEASURED, ids=str)
@@ -109,3 +117,10 @@ def test_predicted_bytes_sent_within_2_and_peak_within_10_percent(config):
     for row in compare(tiny_model(), config, measure(tiny_model(), config)):
         assert abs(row["sent_error"]) <= 0.02, row
         assert abs(row["peak_error"]) <= 0.10, row
+
+
+@pytest.mark.parametrize("config", OUTSIDE_PEAK_BAR, ids=str)
+def test_bytes_sent_within_2_percent_where_the_peak_misses_its_bar(config):
+    for row in compare(tiny_model(), config, measure(tiny_model(), config)):
+        assert abs(row["sent_error"]) <= 0.02, row
+        assert abs(row["peak_error"]) <= 0.25, row  # the figure we reach, not the bar

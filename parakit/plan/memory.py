@@ -14,7 +14,8 @@ from parakit.plan.spec import DTYPES, Cluster, Config, Model, problems
 from parakit.sequence_parallel import paper_activation_bytes
 from parakit.zero.paper import zero_bytes
 
-__all__ = ["Memory", "PlanError", "layer_params", "stage_params", "layer_activation_bytes", "in_flight", "memory"]
+__all__ = ["Memory", "PlanError", "layer_params", "stage_params", "layer_activation_bytes", "in_flight",
+           "in_flight_with_gradients", "memory"]
 
 
 class PlanError(ValueError):
@@ -31,23 +32,24 @@ class Memory:
     optimizer, activations, transient to bytes; `fits` against the device's memory (None
     without a cluster). A model, not a measurement.
 
-    `peak` is their sum when gradients live beside activations (a later micro-batch's
-    forward after an earlier one's backward); with one micro-batch and gradients set to None
-    between steps they do not: the peak is then the larger of the end of the forward (no
-    gradients yet) and the end of the backward (no activations left)."""
+    Gradients are set to None between steps, so they appear with the first backward:
+    `peak` is the larger of the most activations before it (`in_flight` micro-batches, no
+    gradients) and the most after it (`with_gradients` micro-batches, gradients too; 1F1B's
+    steady state), and the end of the backward (gradients, no activations)."""
 
     stage: int
     items: dict[str, float]
     in_flight: int
-    accumulates: bool = True
+    with_gradients: int = 0
     fits: bool | None = None
 
     @property
     def peak(self) -> float:
         total = sum(self.items.values())
-        if self.accumulates:
-            return total
-        return total - min(self.items["gradients"], self.items["activations"])
+        per_microbatch = self.items["activations"] / self.in_flight if self.in_flight else 0.0
+        states = total - self.items["activations"]
+        return max(states - self.items["gradients"] + self.items["activations"],
+                   states + self.with_gradients * per_microbatch, states)
 
 
 def layer_params(model: Model, tp: int, ep: int = 1) -> tuple[int, int]:
@@ -126,6 +128,33 @@ def _peaks(schedule: str, p: int, m: int, v: int | None) -> tuple[int, ...]:
     return tuple(simulate(build_schedule(schedule, p, m, v)).peak_activations)
 
 
+def in_flight_with_gradients(config: Config) -> list[int]:
+    """The most micro-batch activations each pipeline rank holds once it has run a backward
+    (so gradients exist beside them): 1F1B's steady state; 0 for GPipe, whose backwards all
+    come after the last forward. From the simulator's events, counted as it counts peaks."""
+    if config.pp == 1:
+        return [1 if config.microbatches > 1 else 0]
+    v = config.v if config.schedule in ("interleaved", "zbv") else None
+    return list(_after_backward(config.schedule, config.pp, config.microbatches, v))
+
+
+@lru_cache(maxsize=512)
+def _after_backward(schedule: str, p: int, m: int, v: int | None) -> tuple[int, ...]:
+    line = simulate(build_schedule(schedule, p, m, v))
+    split = any(e.action.op == "W" for e in line.events)
+    release = "W" if split else "B"
+    out = []
+    for r in range(p):
+        stored, seen, best = 0, False, 0
+        for e in sorted((e for e in line.events if e.rank == r), key=lambda e: (e.start, e.end)):
+            stored += 1 if e.action.op == "F" else -1 if e.action.op == release else 0
+            seen = seen or e.action.op == "B"
+            if seen and e.action.op == "F":
+                best = max(best, stored)
+        out.append(best)
+    return tuple(out)
+
+
 def memory(model: Model, cluster: Cluster | None, config: Config, stage: int | None = None) -> Memory:
     """Bytes on pipeline rank `stage` (default: the rank with the largest peak). Raises
     PlanError with every reason when the configuration cannot run."""
@@ -154,7 +183,7 @@ def memory(model: Model, cluster: Cluster | None, config: Config, stage: int | N
     if config.ddp_buckets and config.zero == 0:  # the buckets hold a second copy of the gradients
         transient += states["gradients"]
     items = {**states, "activations": activations, "transient": transient}
-    result = Memory(stage, items, held, accumulates=config.microbatches > 1 or config.pp > 1)
+    result = Memory(stage, items, held, in_flight_with_gradients(config)[stage])
     if cluster is not None:
         result.fits = result.peak <= cluster.memory
     return result
