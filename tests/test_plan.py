@@ -124,3 +124,14 @@ def test_bytes_sent_within_2_percent_where_the_peak_misses_its_bar(config):
     for row in compare(tiny_model(), config, measure(tiny_model(), config)):
         assert abs(row["sent_error"]) <= 0.02, row
         assert abs(row["peak_error"]) <= 0.25, row  # the figure we reach, not the bar
+
+
+def test_tensor_parallel_within_a_node_and_pipelines_across_ranks_first_as_narayanan_et_al_measured():
+    """Narayanan et al. 2021, Figure 13: a 162.2B GPT on 64 A100s (8 per node), pipeline x tensor
+    degrees (2, 32) ... (32, 2): throughput peaks at tensor 8 (one node) x pipeline 8."""
+    model = Model(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200)
+    a100s = Cluster(devices_per_node=8, nodes=8, memory=80e9, flops=312e12, intra_bandwidth=300e9, inter_bandwidth=25e9)
+    times = {t: step_time(model, a100s, Config(tp=t, pp=64 // t, microbatches=64, checkpointing="full")).total
+             for t in (2, 4, 8, 16, 32)}
+    assert min(times, key=times.get) == 8
+    assert times[16] > times[8] and times[32] > times[16] and times[2] > times[4] > times[8]
