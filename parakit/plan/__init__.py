@@ -12,8 +12,8 @@ Every figure here is a model; `measure.compare` prints its error against measure
 from parakit.plan.memory import Memory, PlanError, in_flight, layer_activation_bytes, layer_params, memory, stage_params
 from parakit.plan.search import Candidate, search
 from parakit.plan.spec import CHECKPOINTING, DTYPES, SCHEDULES, Cluster, Config, Model, problems
-from parakit.plan.time import StepTime, Traffic, link, step_time, traffic
+from parakit.plan.time import StepTime, Traffic, link, step_flops, step_time, traffic
 
 __all__ = ["Model", "Cluster", "Config", "DTYPES", "SCHEDULES", "CHECKPOINTING", "problems", "Memory", "PlanError",
            "memory", "layer_params", "stage_params", "layer_activation_bytes", "in_flight", "StepTime", "Traffic",
-           "traffic", "step_time", "link", "Candidate", "search"]
+           "traffic", "step_flops", "step_time", "link", "Candidate", "search"]

@@ -19,7 +19,7 @@ from parakit.plan.memory import PlanError, stage_params
 from parakit.plan.spec import DTYPES, Cluster, Config, Model, problems
 from parakit.zero.paper import zero_comm_bytes
 
-__all__ = ["Traffic", "StepTime", "traffic", "step_time", "link"]
+__all__ = ["Traffic", "StepTime", "traffic", "step_flops", "step_time", "link"]
 
 _FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
            "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "send": lambda n: 1}
@@ -130,7 +130,7 @@ def _zero_traffic(psi: int, n: int, stage: int, element: int, m: int, backend: s
     return [Traffic("dp", "all_gather", gather, 2 * m, n, "forward"), scatter]
 
 
-def _flops(model: Model, config: Config, stage: int) -> tuple[float, float]:
+def step_flops(model: Model, config: Config, stage: int) -> tuple[float, float]:
     """(forward, backward) FLOPs of one micro-batch on pipeline rank `stage`: 2 per
     multiply-add in the layers' matrices and in attention (QK^T and AV), the output layer on
     the last stage; backward twice forward, plus a forward again under full checkpointing."""
@@ -171,7 +171,7 @@ def step_time(model: Model, cluster: Cluster, config: Config) -> StepTime:
     rate, m = cluster.flops * cluster.efficiency, config.microbatches
     stages = []
     for stage in range(config.pp):
-        fwd, bwd = (x / rate for x in _flops(model, config, stage))
+        fwd, bwd = (x / rate for x in step_flops(model, config, stage))
         calls = traffic(model, config, stage)
         secs = {c: c.seconds(*link(cluster, config, c.group, c.size)) for c in calls}
         critical = sum(secs[c] for c in calls if c.group in ("tp", "ep")) / m
