@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from parakit.plan import Cluster, Config, Model, PlanError, in_flight, layer_activation_bytes, memory, search, stage_params, step_time
-from parakit.plan.measure import compare, measure, tiny_model
+from parakit.plan.measure import compare, measure, measure_context_parallel, tiny_model
 from parakit.sequence_parallel import paper_activation_bytes
 from parakit.zero.paper import zero_bytes
 
@@ -135,3 +135,10 @@ def test_tensor_parallel_within_a_node_and_pipelines_across_ranks_first_as_naray
              for t in (2, 4, 8, 16, 32)}
     assert min(times, key=times.get) == 8
     assert times[16] > times[8] and times[32] > times[16] and times[2] > times[4] > times[8]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_bytes_sent_within_2_percent(cp):
+    model = Model(layers=1, hidden=64, heads=4, seq=32, vocab=2, activations="parakit")
+    for row in measure_context_parallel(model, Config(cp=cp, dp=1, microbatch=2, dtype="fp32")):
+        assert abs(row["sent_error"]) <= 0.02, row

@@ -8,6 +8,7 @@ the step allocates). `compare` puts the planner's predictions beside them.
 from __future__ import annotations
 
 from argparse import Namespace
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ from parakit.plan.time import traffic
 from parakit.zero.fsdp import FullyShardedDataParallel
 from parakit.zero.optimizer import ShardedOptimizer
 
-__all__ = ["tiny_model", "run_config", "measure", "compare"]
+__all__ = ["tiny_model", "run_config", "measure", "compare", "measure_context_parallel"]
 
 
 def tiny_model(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 16, vocab: int = 64) -> Model:
@@ -119,3 +120,26 @@ def compare(model: Model, config: Config, measured: list[dict]) -> list[dict]:
                      "sent_error": sent / got["written"] - 1 if got["written"] else float("nan"),
                      "peak": peak, "measured_peak": got["peak"], "peak_error": peak / got["peak"] - 1})
     return rows
+
+
+def _ring_attention_step(model: Model, config: Config) -> int:
+    """On each rank: one forward and backward of a ContextParallelSelfAttention layer (lesson
+    08's ring attention, zig-zag) on this rank's [microbatch, seq/cp, hidden]; the OS's bytes."""
+    from parakit.context_parallel import ContextParallelSelfAttention
+    torch.manual_seed(0)
+    layer = ContextParallelSelfAttention(model.hidden, model.heads)
+    x = torch.randn(config.microbatch, model.seq // config.cp, model.hidden, requires_grad=True)  # [b, seq/cp, hidden]
+    with comm.CommLog() as log:
+        layer(x).sum().backward()
+    return log.written_bytes()
+
+
+def measure_context_parallel(model: Model, config: Config) -> list[dict]:
+    """Ring attention's bytes on `config.cp` gloo ranks, one layer and micro-batch, against the
+    planner's cp term (with gloo's framing per message): [{"rank", "sent", "written", "sent_error"}].
+    Only the attention layer runs, so only the cp traffic is compared (no peak)."""
+    one = replace(config, microbatches=1)
+    layer = replace(model, layers=1)
+    sent = sum(c.sent + c.count * GLOO_FRAMING["send"] for c in traffic(layer, one) if c.group == "cp")
+    written = launch(_ring_attention_step, layer, one, world_size=config.cp, backend="gloo")
+    return [{"rank": r, "sent": sent, "written": w, "sent_error": sent / w - 1} for r, w in enumerate(written)]
