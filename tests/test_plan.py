@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from parakit.plan import Cluster, Config, Model, PlanError, in_flight, layer_activation_bytes, memory, search, stage_params, step_time
-from parakit.plan.measure import compare, measure, measure_context_parallel, tiny_model
+from parakit.plan.measure import compare, measure, measure_context_parallel, measure_expert_parallel, tiny_model
 from parakit.sequence_parallel import paper_activation_bytes
 from parakit.zero.paper import zero_bytes
 
@@ -142,3 +142,10 @@ def test_ring_attention_bytes_sent_within_2_percent(cp):
     model = Model(layers=1, hidden=64, heads=4, seq=32, vocab=2, activations="parakit")
     for row in measure_context_parallel(model, Config(cp=cp, dp=1, microbatch=2, dtype="fp32")):
         assert abs(row["sent_error"]) <= 0.02, row
+
+
+@pytest.mark.parametrize("ep,bar", [(2, 0.02), (4, 0.03)])  # 4 ranks: the router's imbalance reaches 2.2%
+def test_expert_parallel_bytes_sent_near_the_even_routing_model(ep, bar):
+    model = Model(layers=1, hidden=32, heads=4, seq=1024, vocab=2, ffn=64, experts=8, top_k=2, activations="parakit")
+    for row in measure_expert_parallel(model, Config(dp=ep, ep=ep, microbatch=1, dtype="fp32")):
+        assert abs(row["sent_error"]) <= bar, row

@@ -26,7 +26,7 @@ from parakit.plan.time import traffic
 from parakit.zero.fsdp import FullyShardedDataParallel
 from parakit.zero.optimizer import ShardedOptimizer
 
-__all__ = ["tiny_model", "run_config", "measure", "compare", "measure_context_parallel"]
+__all__ = ["tiny_model", "run_config", "measure", "compare", "measure_context_parallel", "measure_expert_parallel"]
 
 
 def tiny_model(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 16, vocab: int = 64) -> Model:
@@ -142,4 +142,30 @@ def measure_context_parallel(model: Model, config: Config) -> list[dict]:
     layer = replace(model, layers=1)
     sent = sum(c.sent + c.count * GLOO_FRAMING["send"] for c in traffic(layer, one) if c.group == "cp")
     written = launch(_ring_attention_step, layer, one, world_size=config.cp, backend="gloo")
+    return [{"rank": r, "sent": sent, "written": w, "sent_error": sent / w - 1} for r, w in enumerate(written)]
+
+
+def _moe_step(model: Model, config: Config) -> int:
+    """On each rank: one forward and backward of lesson 09's ExpertParallelMoE (capacity for
+    every choice: nothing dropped) on this rank's microbatch x seq tokens; the OS's bytes."""
+    from parakit.moe import ExpertParallelMoE
+    torch.manual_seed(0)
+    layer = ExpertParallelMoE(model.hidden, model.ffn_hidden, model.experts, model.top_k,
+                              capacity_factor=float(model.experts))
+    torch.manual_seed(1 + torch.distributed.get_rank())
+    x = torch.randn(config.microbatch * model.seq, model.hidden, requires_grad=True)  # [tokens, hidden]
+    with comm.CommLog() as log:
+        layer(x).sum().backward()
+    return log.written_bytes()
+
+
+def measure_expert_parallel(model: Model, config: Config) -> list[dict]:
+    """Expert parallelism's bytes on `config.ep` gloo ranks, one MoE layer and micro-batch,
+    against the planner's ep term: dispatch and combine, forward and backward, each sending
+    (ep-1)/ep of the rank's tokens x top_k. The planner assumes the router spreads choices
+    evenly; a real router does not, so each rank's bytes scatter around it."""
+    one = replace(config, microbatches=1, dp=config.ep)
+    layer = replace(model, layers=1)
+    sent = sum(c.sent for c in traffic(layer, one) if c.group == "ep")
+    written = launch(_moe_step, layer, one, world_size=config.ep, backend="gloo")
     return [{"rank": r, "sent": sent, "written": w, "sent_error": sent / w - 1} for r, w in enumerate(written)]
