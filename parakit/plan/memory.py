@@ -178,8 +178,8 @@ def memory(model: Model, cluster: Cluster | None, config: Config, stage: int | N
     transient = 0.0
     if config.checkpointing == "full":  # one layer recomputed in full during backward
         transient += layer_activation_bytes(model, replace(config, checkpointing="none"))
-    if config.zero == 3:  # one layer's parameters gathered (and its gradient before the reduce-scatter)
-        transient += 2 * sum(layer_params(model, config.tp, config.ep)) * pbytes
+    if config.zero == 3:  # one unit (a layer) gathered, its full gradients, and their flat copy for the reduce-scatter
+        transient += 3 * sum(layer_params(model, config.tp, config.ep)) * pbytes
     if config.ddp_buckets and config.zero == 0:  # the buckets hold a second copy of the gradients
         transient += states["gradients"]
     items = {**states, "activations": activations, "transient": transient}
