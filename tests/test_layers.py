@@ -17,7 +17,7 @@ LAYERS = {
                   "parakit.tensor_parallel", "parakit.parallel3d", "parakit.mesh", "parakit.sequence_parallel",
                   "parakit.context_parallel", "parakit.ulysses", "parakit.moe"),
     "top": ("parakit", "parakit.launcher", "parakit._worker", "parakit.magic", "parakit.grading", "parakit.viz",
-            "parakit.train", "parakit.torchrun", "parakit.side_by_side"),
+            "parakit.train", "parakit.torchrun", "parakit.side_by_side", "parakit.plan"),
 }
 ORDER = list(LAYERS)
 

@@ -1,0 +1,171 @@
+"""The planner against real ranks: parakit.train's tiny transformer trained one step on a
+configuration (dp x pp x tp with BucketedDDP and a pipeline schedule, or dp alone at a ZeRO
+stage, blocks checkpointed or not), measured on every rank: bytes written on the wire by
+the OS (`comm.CommLog.written_bytes`, gloo), the ring model's bytes, and the peak of live
+tensor bytes (`devices.MemoryMeter`: parameters, gradients, optimizer state and everything
+the step allocates). `compare` puts the planner's predictions beside them.
+"""
+from __future__ import annotations
+
+from argparse import Namespace
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from parakit import comm
+from parakit.checkpoint import Checkpointed, segment_sizes
+from parakit.ddp import BucketedDDP
+from parakit.devices import MemoryMeter
+from parakit.launcher import launch
+from parakit.mesh import Mesh
+from parakit.pipeline import dp_pp_step, split_stages
+from parakit.plan.memory import memory
+from parakit.plan.spec import Config, Model
+from parakit.plan.time import traffic
+from parakit.zero.fsdp import FullyShardedDataParallel
+from parakit.zero.optimizer import ShardedOptimizer
+
+__all__ = ["tiny_model", "run_config", "measure", "compare", "measure_context_parallel", "measure_expert_parallel"]
+
+
+def tiny_model(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 16, vocab: int = 64) -> Model:
+    """parakit.train's model as the planner sees it: learned positions, the vocabulary
+    replicated on every tp rank, an output bias, the fp32 "parakit" activation model."""
+    return Model(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, positions=True,
+                 vocab_parallel=False, head_bias=True, activations="parakit")
+
+
+def _args(model: Model, config: Config) -> Namespace:
+    return Namespace(seed=0, vocab=model.vocab, seq=model.seq, hidden=model.hidden, heads=model.heads,
+                     layers=model.layers, batch=config.global_batch)
+
+
+def _lm_loss(logits, target):  # [batch, seq, vocab], [batch, seq]
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def run_config(model: Model, config: Config) -> dict:
+    """On each rank (inside parakit.launch): two steps, the second measured. `config.ddp_buckets` should be True at ZeRO 0 (BucketedDDP). Returns
+    {"written": OS bytes written, "wire": ring-model bytes, "peak": peak live bytes, "stage": pp rank}."""
+    from parakit.train import batch_for, build_model  # the trainer's own model and data
+    args = _args(model, config)
+    mesh = Mesh(config.dp, config.pp, config.tp)
+    net = build_model(args, mesh.tp_group)
+    if config.checkpointing == "full":
+        net = nn.Sequential(net[0], *(Checkpointed(block) for block in net[1:-1]), net[-1])
+    balance = segment_sizes(len(net), config.pp)
+    mine = nn.ModuleList(split_stages(net, balance)[mesh.pp_rank])
+    if config.zero == 3:
+        mine = net = FullyShardedDataParallel(net, units=list(net.children()), group=mesh.dp_group)
+    if config.zero in (1, 2):
+        optimizer = ShardedOptimizer(mine.parameters(), torch.optim.AdamW, stage=config.zero, group=mesh.dp_group,
+                                     foreach=False)
+    else:
+        optimizer = torch.optim.AdamW(mine.parameters(), foreach=False)
+    replica = BucketedDDP(mine, process_group=mesh.dp_group) if config.zero == 0 else None
+    for step in range(2):
+        ids, target = (t.chunk(config.dp)[mesh.dp_rank] for t in batch_for(step, args))
+        optimizer.zero_grad(set_to_none=True)
+        held = [*mine.parameters(), *(t for s in optimizer.state.values() for t in s.values()
+                                      if isinstance(t, torch.Tensor))]
+        with comm.CommLog() as log, MemoryMeter([0]) as meter:
+            meter.place(held, 0)
+            if replica is not None:
+                dp_pp_step(net, balance, ids, target, _lm_loss, pp_group=mesh.pp_group, replica=replica,
+                           schedule=config.schedule, num_microbatches=config.microbatches)
+            else:
+                _lm_loss(net(ids), target).backward()
+                if config.zero == 3:
+                    net.finish_gradient_synchronization()
+            optimizer.step()
+    return {"written": log.written_bytes(), "wire": log.wire_bytes(), "peak": meter.peaks()[0], "stage": mesh.pp_rank}
+
+
+def measure(model: Model, config: Config) -> list[dict]:
+    """`run_config` on dp x pp x tp ranks of gloo; one dict per rank."""
+    return launch(run_config, model, config, world_size=config.devices, backend="gloo")
+
+
+GLOO_FRAMING = {"all_reduce": 576, "send": 144, "reduce": 360, "broadcast": 72}  # bytes per call and peer step
+
+
+def gloo_sent(model: Model, config: Config, stage: int) -> float:
+    """The planner's bytes sent by pipeline rank `stage`, as gloo sends them: a model fitted
+    once to the OS's counts on 2 and 4 ranks (`GLOO_FRAMING`: each all-reduce writes 576 (n-1)
+    bytes of headers, each send 144), and parakit's ZeRO-1/2, which reduces each parameter's
+    gradient to its owner and broadcasts it back: gloo's reduce sends M from the other ranks
+    and (n-1)/n M from the root, its broadcast (a tree) (n-1)/n M on average, so
+    (n-1)/n (2 + 1/n) M per rank where owners are balanced."""
+    total = 0.0
+    for c in traffic(model, config, stage, backend="gloo"):
+        if c.group == "dp" and config.zero in (1, 2):
+            n, psi_bytes = c.size, c.nbytes
+            tensors = 12 * model.layers // config.pp + 5 + model.positions  # parameters reduced one by one
+            total += (n - 1) / n * (2 + 1 / n) * psi_bytes + tensors * (GLOO_FRAMING["reduce"] + GLOO_FRAMING["broadcast"]) / n * (n - 1)
+            continue
+        total += c.sent + c.count * GLOO_FRAMING.get(c.op, 0) * (c.size - 1 if c.op != "send" else 1)
+    return total
+
+
+def compare(model: Model, config: Config, measured: list[dict]) -> list[dict]:
+    """Each rank's predicted and measured bytes sent and peak bytes, and the errors
+    (predicted / measured - 1)."""
+    rows = []
+    for rank, got in enumerate(measured):
+        stage = got["stage"]
+        sent = gloo_sent(model, config, stage)
+        peak = memory(model, None, config, stage).peak
+        rows.append({"rank": rank, "sent": sent, "written": got["written"], "wire": got["wire"],
+                     "sent_error": sent / got["written"] - 1 if got["written"] else float("nan"),
+                     "peak": peak, "measured_peak": got["peak"], "peak_error": peak / got["peak"] - 1})
+    return rows
+
+
+def _ring_attention_step(model: Model, config: Config) -> int:
+    """On each rank: one forward and backward of a ContextParallelSelfAttention layer (lesson
+    08's ring attention, zig-zag) on this rank's [microbatch, seq/cp, hidden]; the OS's bytes."""
+    from parakit.context_parallel import ContextParallelSelfAttention
+    torch.manual_seed(0)
+    layer = ContextParallelSelfAttention(model.hidden, model.heads)
+    x = torch.randn(config.microbatch, model.seq // config.cp, model.hidden, requires_grad=True)  # [b, seq/cp, hidden]
+    with comm.CommLog() as log:
+        layer(x).sum().backward()
+    return log.written_bytes()
+
+
+def measure_context_parallel(model: Model, config: Config) -> list[dict]:
+    """Ring attention's bytes on `config.cp` gloo ranks, one layer and micro-batch, against the
+    planner's cp term (with gloo's framing per message): [{"rank", "sent", "written", "sent_error"}].
+    Only the attention layer runs, so only the cp traffic is compared (no peak)."""
+    one = replace(config, microbatches=1)
+    layer = replace(model, layers=1)
+    sent = sum(c.sent + c.count * GLOO_FRAMING["send"] for c in traffic(layer, one) if c.group == "cp")
+    written = launch(_ring_attention_step, layer, one, world_size=config.cp, backend="gloo")
+    return [{"rank": r, "sent": sent, "written": w, "sent_error": sent / w - 1} for r, w in enumerate(written)]
+
+
+def _moe_step(model: Model, config: Config) -> int:
+    """On each rank: one forward and backward of lesson 09's ExpertParallelMoE (capacity for
+    every choice: nothing dropped) on this rank's microbatch x seq tokens; the OS's bytes."""
+    from parakit.moe import ExpertParallelMoE
+    torch.manual_seed(0)
+    layer = ExpertParallelMoE(model.hidden, model.ffn_hidden, model.experts, model.top_k,
+                              capacity_factor=float(model.experts))
+    torch.manual_seed(1 + torch.distributed.get_rank())
+    x = torch.randn(config.microbatch * model.seq, model.hidden, requires_grad=True)  # [tokens, hidden]
+    with comm.CommLog() as log:
+        layer(x).sum().backward()
+    return log.written_bytes()
+
+
+def measure_expert_parallel(model: Model, config: Config) -> list[dict]:
+    """Expert parallelism's bytes on `config.ep` gloo ranks, one MoE layer and micro-batch,
+    against the planner's ep term: dispatch and combine, forward and backward, each sending
+    (ep-1)/ep of the rank's tokens x top_k. The planner assumes the router spreads choices
+    evenly; a real router does not, so each rank's bytes scatter around it."""
+    one = replace(config, microbatches=1, dp=config.ep)
+    layer = replace(model, layers=1)
+    sent = sum(c.sent for c in traffic(layer, one) if c.group == "ep")
+    written = launch(_moe_step, layer, one, world_size=config.ep, backend="gloo")
+    return [{"rank": r, "sent": sent, "written": w, "sent_error": sent / w - 1} for r, w in enumerate(written)]

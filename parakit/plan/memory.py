@@ -1,0 +1,190 @@
+"""Bytes per device, itemised: parameters, gradients, optimizer state (the ZeRO paper's
+formulas, `parakit.zero.paper`, applied to the parameters a rank's pipeline stage and tensor
+slice hold), activations (Korthikanti et al.'s per-layer formula, `parakit.sequence_parallel`,
+times the micro-batches the schedule keeps in flight, counted by `parakit.pipeline`'s
+simulator) and transient buffers. Every figure is a model; `plan.measure` checks it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from parakit.pipeline import build_schedule, simulate
+from parakit.plan.spec import DTYPES, Cluster, Config, Model, problems
+from parakit.sequence_parallel import paper_activation_bytes
+from parakit.zero.paper import zero_bytes
+
+__all__ = ["Memory", "PlanError", "layer_params", "stage_params", "layer_activation_bytes", "in_flight",
+           "in_flight_with_gradients", "memory"]
+
+
+class PlanError(ValueError):
+    """The configuration cannot run: `reasons` lists each constraint broken and by how much."""
+
+    def __init__(self, reasons: list[str]):
+        super().__init__("; ".join(reasons))
+        self.reasons = reasons
+
+
+@dataclass
+class Memory:
+    """Bytes on one device (pipeline rank `stage`): `items` maps parameters, gradients,
+    optimizer, activations, transient to bytes; `fits` against the device's memory (None
+    without a cluster). A model, not a measurement.
+
+    Gradients are set to None between steps, so they appear with the first backward:
+    `peak` is the larger of the most activations before it (`in_flight` micro-batches, no
+    gradients) and the most after it (`with_gradients` micro-batches, gradients too; 1F1B's
+    steady state), and the end of the backward (gradients, no activations)."""
+
+    stage: int
+    items: dict[str, float]
+    in_flight: int
+    with_gradients: int = 0
+    fits: bool | None = None
+
+    @property
+    def peak(self) -> float:
+        total = sum(self.items.values())
+        per_microbatch = self.items["activations"] / self.in_flight if self.in_flight else 0.0
+        states = total - self.items["activations"]
+        return max(states - self.items["gradients"] + self.items["activations"],
+                   states + self.with_gradients * per_microbatch, states)
+
+
+def layer_params(model: Model, tp: int, ep: int = 1) -> tuple[int, int]:
+    """(dense, expert) parameters of one transformer layer on one tp rank: column layers
+    (qkv, fc1) split weights and biases, row layers (proj, fc2) split weights and keep the
+    whole bias, layer norms replicated; an MoE layer keeps experts/ep experts and the router."""
+    h, f, t = model.hidden, model.ffn_hidden, tp
+    attention = (3 * h * h + 3 * h) // t + h * h // t + h
+    mlp = (h * f + f) // t + f * h // t + h
+    norms = 4 * h
+    if model.experts == 1:
+        return attention + mlp + norms, 0
+    return attention + norms + h * model.experts, mlp * model.experts // ep
+
+
+def stage_params(model: Model, config: Config, stage: int) -> tuple[int, int]:
+    """(dense, expert) parameters on pipeline rank `stage` of one tp slice: layers/pp blocks,
+    the embedding on the rank of the first stage, the final norm and output layer on the rank
+    of the last (with zbv's V placement that is rank 0 again)."""
+    dense, expert = layer_params(model, config.tp, config.ep)
+    blocks = model.layers // config.pp
+    dense, expert = dense * blocks, expert * blocks
+    v_split = config.tp if model.vocab_parallel else 1
+    last = 0 if config.schedule == "zbv" and config.pp > 1 else config.pp - 1
+    if stage == 0:
+        dense += model.vocab * model.hidden // v_split + (model.seq * model.hidden if model.positions else 0)
+    if stage == last and not (model.tied_embeddings and config.pp == 1):
+        dense += model.vocab * model.hidden // v_split + (model.vocab // v_split if model.head_bias else 0)
+    if stage == last:
+        dense += 2 * model.hidden
+    return dense, expert
+
+
+def layer_activation_bytes(model: Model, config: Config) -> float:
+    """Bytes one layer stores for backward for one micro-batch on one rank, by the model's
+    activation model and the checkpointing policy (full: only the layer's input)."""
+    s, b, h, a, t = model.seq // config.cp, config.microbatch, model.hidden, model.heads, config.tp
+    sp = config.sp and t > 1
+    divide = t if sp else 1
+    if config.checkpointing == "full":
+        return s * b * h * DTYPES[config.dtype][3] / divide
+    scores = a if config.checkpointing == "none" and config.cp == 1 else 0  # flash/ring attention keep no scores
+    if model.activations == "megatron":
+        extra = 19 * (model.top_k - 1) if model.experts > 1 else 0  # our extension: the MLP's 19 sbh per choice
+        return paper_activation_bytes(s, b, h, scores, t, sp) + s * b * h * extra / t
+    k = model.top_k if model.experts > 1 else 1  # parakit's fp32 block, counted from its code (tests check it)
+    floats = 4 * h + 4 + (4 * h + 2 * model.ffn_hidden * k + a) / t
+    return s * b * 4 * (floats / divide if sp else floats)
+
+
+def stage_extra_bytes(model: Model, config: Config, stage: int) -> float:
+    """Activations outside the layers ("parakit" model only; Korthikanti's formula counts
+    the layers): the token ids (int64) on the first stage; the final norm's input and
+    output, its statistics and the log-softmax over the vocabulary on the last."""
+    if model.activations != "parakit":
+        return 0.0
+    tokens = model.seq // config.cp * config.microbatch
+    last = 0 if config.schedule == "zbv" and config.pp > 1 else config.pp - 1
+    extra = 8 * tokens if stage == 0 else 0
+    if stage == last:
+        extra += tokens * 4 * (2 * model.hidden + 2 + model.vocab // (config.tp if model.vocab_parallel else 1))
+    return extra
+
+
+def in_flight(config: Config) -> list[int]:
+    """Micro-batch activations (per stage chunk) each pipeline rank holds at its peak, from
+    the simulator of `parakit.pipeline` running the configuration's schedule."""
+    if config.pp == 1:
+        return [1]
+    v = config.v if config.schedule in ("interleaved", "zbv") else None
+    return list(_peaks(config.schedule, config.pp, config.microbatches, v))
+
+
+@lru_cache(maxsize=512)
+def _peaks(schedule: str, p: int, m: int, v: int | None) -> tuple[int, ...]:
+    return tuple(simulate(build_schedule(schedule, p, m, v)).peak_activations)
+
+
+def in_flight_with_gradients(config: Config) -> list[int]:
+    """The most micro-batch activations each pipeline rank holds once it has run a backward
+    (so gradients exist beside them): 1F1B's steady state; 0 for GPipe, whose backwards all
+    come after the last forward. From the simulator's events, counted as it counts peaks."""
+    if config.pp == 1:
+        return [1 if config.microbatches > 1 else 0]
+    v = config.v if config.schedule in ("interleaved", "zbv") else None
+    return list(_after_backward(config.schedule, config.pp, config.microbatches, v))
+
+
+@lru_cache(maxsize=512)
+def _after_backward(schedule: str, p: int, m: int, v: int | None) -> tuple[int, ...]:
+    line = simulate(build_schedule(schedule, p, m, v))
+    split = any(e.action.op == "W" for e in line.events)
+    release = "W" if split else "B"
+    out = []
+    for r in range(p):
+        stored, seen, best = 0, False, 0
+        for e in sorted((e for e in line.events if e.rank == r), key=lambda e: (e.start, e.end)):
+            stored += 1 if e.action.op == "F" else -1 if e.action.op == release else 0
+            seen = seen or e.action.op == "B"
+            if seen and e.action.op == "F":
+                best = max(best, stored)
+        out.append(best)
+    return tuple(out)
+
+
+def memory(model: Model, cluster: Cluster | None, config: Config, stage: int | None = None) -> Memory:
+    """Bytes on pipeline rank `stage` (default: the rank with the largest peak). Raises
+    PlanError with every reason when the configuration cannot run."""
+    reasons = problems(model, cluster, config)
+    if reasons:
+        raise PlanError(reasons)
+    if stage is None:
+        return max((memory(model, cluster, config, r) for r in range(config.pp)), key=lambda m: m.peak)
+    pbytes, gbytes, k, _ = DTYPES[config.dtype]
+    dense, expert = stage_params(model, config, stage)
+    states = dict.fromkeys(("parameters", "gradients", "optimizer"), 0.0)
+    shards = config.dp * config.cp
+    for count, ranks in ((dense, shards), (expert, shards // config.ep)):
+        if count:
+            for kind, nbytes in zero_bytes(count, ranks, config.zero, k, pbytes, gbytes).items():
+                states[kind] += nbytes
+    held = in_flight(config)[stage]
+    layers_per_chunk = model.layers // (config.pp * config.v)
+    per_layer = layer_activation_bytes(model, config)
+    activations = held * (layers_per_chunk * per_layer + stage_extra_bytes(model, config, stage))
+    transient = 0.0
+    if config.checkpointing == "full":  # one layer recomputed in full during backward
+        transient += layer_activation_bytes(model, replace(config, checkpointing="none"))
+    if config.zero == 3:  # one unit (a layer) gathered, its full gradients, and their flat copy for the reduce-scatter
+        transient += 3 * sum(layer_params(model, config.tp, config.ep)) * pbytes
+    if config.ddp_buckets and config.zero == 0:  # the buckets hold a second copy of the gradients
+        transient += states["gradients"]
+    items = {**states, "activations": activations, "transient": transient}
+    result = Memory(stage, items, held, in_flight_with_gradients(config)[stage])
+    if cluster is not None:
+        result.fits = result.peak <= cluster.memory
+    return result
+
