@@ -8,15 +8,17 @@
     loss_fn(model(x), y).backward(); model.finish_gradient_synchronization(); optimizer.step()
 
 `ShardedOptimizer` gives each parameter (whole, as torch's ZeroRedundancyOptimizer does:
-largest first, to the rank with the fewest elements so far) one owner. Each gradient is
-reduced (`dist.reduce`) to its owner: each rank receives the sum of exactly the gradients
-it owns, so together these reduces are a reduce-scatter whose pieces are whole parameters
-(of uneven sizes). Stage 1 reduces in `step()`; stage 2 reduces each gradient in backward
-as soon as it is accumulated and drops it on the ranks that do not own it. The owner
-steps its parameters with its own `optimizer_cls` and broadcasts them: the all-gather
-half. Any torch.optim class works, as each owner steps whole parameters. A rank sends
-about Psi(N-1)/N for the gradients and as much for the parameters: 2 Psi per step, as
-all-reduce does.
+largest first, to the rank with the fewest elements so far) one owner, and lays the
+parameters out in flat buckets by owner: each rank's parameters one after another in its
+segment. As soon as backward has accumulated a bucket's gradients they are reduced together
+(a reduce-scatter gives each rank the sum of exactly its segment; gloo gets an all-reduce,
+see the class), overlapping the rest of backward; stage 2 drops the other ranks' gradients
+then. The owner steps its parameters with its own `optimizer_cls` (any torch.optim class)
+and one all-gather per bucket gives everyone the updated segments. A rank sends about
+Psi(N-1)/N for the gradients and as much for the parameters: 2 Psi per step, as all-reduce
+does. With `compute_dtype=torch.bfloat16` (or float16) it trains in mixed precision as the
+paper counts it: 2-byte parameters and gradients, an fp32 master copy of the owned ones in
+the optimizer (K = 12 with Adam); fp16 steps through `parakit.precision.LossScaler`.
 
 `FullyShardedDataParallel` flattens the trainable parameters of each unit (a submodule you
 name, the rest in the root unit), pads them to a multiple of N and keeps 1/N: the flat

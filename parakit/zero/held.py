@@ -23,7 +23,9 @@ def held_bytes(module: nn.Module, optimizer=None) -> dict[str, int]:
         groups = {"parameters": params, "gradients": [p.grad for p in params if p.grad is not None]}
     groups["gradients"] = groups["gradients"] + (optimizer.in_flight() if hasattr(optimizer, "in_flight") else [])
     state = optimizer.state.values() if optimizer is not None else []
-    groups["optimizer"] = [t for s in state for t in s.values() if isinstance(t, torch.Tensor)]
+    masters = optimizer.master_params() if hasattr(optimizer, "master_params") else []  # fp32 copies: optimizer state
+    groups["gradients"] += [m.grad for m in masters if m.grad is not None]
+    groups["optimizer"] = [t for s in state for t in s.values() if isinstance(t, torch.Tensor)] + masters
     return {kind: _storage_bytes(tensors) for kind, tensors in groups.items()}
 
 

@@ -1,10 +1,15 @@
 """ZeRO-1 and ZeRO-2: a sharded optimizer around any torch.optim class (see parakit.zero)."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
 from parakit.ddp import assign_buckets
+from parakit.precision import unsupported_dtype
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 __all__ = ["ShardedOptimizer", "partition_parameters"]
 
@@ -29,9 +34,10 @@ class _OwnerBucket:
     the gradients it owns and an all-gather of the segments gives everyone every parameter.
     The parameters become views of `values`, the bucket's [N * chunk] buffer, so that the
     all-gather writes them in place (the padding is held too: fewer elements than the
-    largest rank's share of the bucket less the smallest's)."""
+    largest rank's share of the bucket less the smallest's). `dtype`: the parameters' new dtype
+    (None: theirs)."""
 
-    def __init__(self, params: list[torch.Tensor], owners: list[int], world_size: int):
+    def __init__(self, params: list[torch.Tensor], owners: list[int], world_size: int, dtype: torch.dtype | None = None):
         self.params, self.owners, self.world_size = params, owners, world_size
         used = [0] * world_size
         self.places = []  # where each parameter sits in the flat [N * chunk] buffer
@@ -41,13 +47,15 @@ class _OwnerBucket:
         self.chunk = max(used)
         self.slices = [slice(o * self.chunk + a, o * self.chunk + a + p.numel())
                        for (o, a), p in zip(self.places, params)]
-        self.values = self.flat([p.detach() for p in params])  # [N * chunk]: the parameters live here
+        self.values = self.flat([p.detach() for p in params], dtype)  # [N * chunk]: the parameters live here
         for p, where in zip(params, self.slices):
             p.data = self.values[where].view_as(p)
 
-    def flat(self, tensors) -> torch.Tensor:
-        """A zeroed [N * chunk] buffer with each tensor (None: zeros) in its parameter's place."""
-        flat = torch.zeros(self.world_size * self.chunk, dtype=self.params[0].dtype, device=self.params[0].device)
+    def flat(self, tensors, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A zeroed [N * chunk] buffer of `dtype` (None: the parameters') with each tensor (None:
+        zeros) in its parameter's place."""
+        flat = torch.zeros(self.world_size * self.chunk, dtype=dtype or self.params[0].dtype,
+                           device=self.params[0].device)
         for t, where in zip(tensors, self.slices):
             if t is not None:
                 flat[where] = t.reshape(-1)
@@ -73,10 +81,20 @@ class ShardedOptimizer:
     as its all-reduce does, so it writes as many bytes (2(N-1)/N, measured in lesson 00), and
     it also copies the bucket: on 4 gloo ranks it was slower and held more at its peak
     (benchmarks/bench_zero.py measures both).
+
+    Mixed precision, as in the ZeRO paper: `compute_dtype=torch.bfloat16` (or float16) turns the
+    model's trainable parameters into bf16 (views of the buckets; the inputs are yours to cast) and
+    each rank keeps an fp32 master copy of the parameters it owns, which `optimizer_cls` steps
+    (with Adam: master, momentum and variance, K = 12 bytes per element, over N); the updated
+    masters are rounded into the parameters before the all-gather (2 bytes per element). The
+    gradients are reduced in `reduce_dtype`: None (the default) in the gradients' own dtype, as
+    the paper; torch.float32 copies them into an fp32 bucket, so the sum is accumulated in fp32
+    (twice the bytes). fp16 needs `parakit.precision.LossScaler` (a warning says so once).
     """
 
     def __init__(self, params, optimizer_cls, *, stage: int = 1, group=None, bucket_size_mb: float | None = 25.0,
-                 gradient_collective: str | None = None, **defaults):
+                 gradient_collective: str | None = None, compute_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None, **defaults):
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass such as torch.optim.AdamW "
                             f"(the class, not an instance), got {optimizer_cls!r}")
@@ -91,27 +109,49 @@ class ShardedOptimizer:
         if gradient_collective not in ("reduce_scatter", "all_reduce"):
             raise ValueError(f"gradient_collective must be 'reduce_scatter' or 'all_reduce', got {gradient_collective!r}")
         self.group, self.stage, self.optimizer_cls = group, stage, optimizer_cls
-        self.gradient_collective = gradient_collective
+        if compute_dtype is not None and compute_dtype not in LOW_PRECISION + (torch.float32,):
+            raise TypeError(f"compute_dtype must be torch.bfloat16, torch.float16 or torch.float32 (or None: the "
+                            f"parameters' dtype), got {compute_dtype!r}")
+        if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
+            raise TypeError(f"reduce_dtype must be a floating-point torch.dtype such as torch.float32, or None to reduce "
+                            f"in the gradients' dtype, got {reduce_dtype!r}")
+        self.gradient_collective, self.reduce_dtype = gradient_collective, reduce_dtype
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.params = [p for g in groups for p in g["params"]]
         self.owners = partition_parameters([g["params"] for g in groups], self.world_size)
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        mine = [{**g, "params": [p for p in g["params"] if self._owner_of(p) == self.rank]} for g in groups]
+        self._master = {id(p): p.detach().to(torch.float32, copy=True) for p in self.params  # the owned ones, in fp32
+                        if (compute_dtype or p.dtype) in LOW_PRECISION and p.requires_grad and self._owner_of(p) == self.rank}
+        self._index.update({id(m): self._index[i] for i, m in self._master.items()})
+        mine = [{**g, "params": [self._master.get(id(p), p) for p in g["params"] if self._owner_of(p) == self.rank]}
+                for g in groups]
         self.optimizer = optimizer_cls(mine, **defaults)
+        self.gradients_unscaled = False  # set by LossScaler.unscale_ before each step
+        self._warned_fp16 = False
         self.param_groups = [{**local, "params": g["params"]} for local, g in zip(self.optimizer.param_groups, groups)]
         trainable = [p for p in self.params if p.requires_grad]
-        self.buckets = [_OwnerBucket(ps, [self._owner_of(p) for p in ps], self.world_size)
+        self.buckets = [_OwnerBucket(ps, [self._owner_of(p) for p in ps], self.world_size, compute_dtype)
                         for ps in assign_buckets(trainable, bucket_size_mb)]
         self._place = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
         self._ready = [set() for _ in self.buckets]  # ids of each bucket's parameters accumulated since the last step
         self._next = 0  # the next bucket to launch: in order, the same on every rank
         self._pending = []  # (bucket, flat gradient buffer, this rank's segment of it, work), in launch order
         self._stale = False  # a gradient accumulated after its bucket went: step() reduces everything again
+        self._synchronized = False  # the averages are in .grad (until the next backward or zero_grad)
         for p in trainable:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _owner_of(self, param: torch.Tensor) -> int:
         return self.owners[self._index[id(param)]]
+
+    @property
+    def local_param_groups(self) -> list[dict]:
+        """The parameter groups this rank steps: its own parameters (their fp32 masters, if any)."""
+        return self.optimizer.param_groups
+
+    def master_params(self) -> list[torch.Tensor]:
+        """The fp32 master copies of this rank's low-precision parameters (empty in fp32)."""
+        return list(self._master.values())
 
     @property
     def state(self):
@@ -120,6 +160,7 @@ class ShardedOptimizer:
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         """Backward accumulated `param.grad`: launch every bucket, in order, whose gradients are all there."""
+        self._synchronized = False
         b = self._place[id(param)]
         if b < self._next or id(param) in self._ready[b]:
             if self.stage == 2:
@@ -136,28 +177,39 @@ class ShardedOptimizer:
         """Sends: one reduce-scatter of the bucket's N * chunk elements (each rank receives the sum
         of its segment), or an all-reduce of them; at stage 2 the gradients go from `.grad`."""
         bucket = self.buckets[self._next]
-        flat = bucket.flat([p.grad for p in bucket.params])  # [N * chunk], laid out by owner
+        flat = bucket.flat([p.grad for p in bucket.params], self.reduce_dtype)  # [N * chunk], laid out by owner
         if self.stage == 2:
             for p in bucket.params:
                 p.grad = p.grad if self._owner_of(p) == self.rank else None
         segment = slice(self.rank * bucket.chunk, (self.rank + 1) * bucket.chunk)
-        if self.gradient_collective == "all_reduce":
-            out, work = flat[segment], dist.all_reduce(flat, group=self.group, async_op=True)
-        else:
-            out = torch.empty(bucket.chunk, dtype=flat.dtype, device=flat.device)  # [chunk]
-            work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
+        try:
+            if self.gradient_collective == "all_reduce":
+                out, work = flat[segment], dist.all_reduce(flat, group=self.group, async_op=True)
+            else:
+                out = torch.empty(bucket.chunk, dtype=flat.dtype, device=flat.device)  # [chunk]
+                work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
+        except RuntimeError as error:
+            raise unsupported_dtype(error, flat.dtype, self.group) from None
         self._pending.append((bucket, flat, out, work))
         self._next += 1
 
     def finish_gradient_synchronization(self) -> None:
         """Launch the buckets not launched yet (all of them if a gradient came after its bucket
-        went), wait for every reduction and put the averages into the owned parameters' `.grad`."""
+        went), wait for every reduction and put the averages into the owned parameters' `.grad`
+        (and, in fp32, into their masters' `.grad`). Once per backward: a second call does nothing."""
+        if self._synchronized:
+            return
         if self._stale:
             self._drop_pending()
         while self._next < len(self.buckets):
             self._launch_next()
         for bucket, _, out, work in self._pending:
-            work.wait()
+            try:
+                work.wait()
+            except RuntimeError as error:  # gloo checks the dtype when the reduction runs
+                if "scalar type" not in str(error):
+                    raise
+                raise unsupported_dtype(error, out.dtype, self.group) from None
             out.div_(self.world_size)
             for p, (owner, a) in zip(bucket.params, bucket.places):
                 if owner != self.rank:
@@ -166,8 +218,11 @@ class ShardedOptimizer:
                 if p.grad is not None:
                     p.grad.copy_(average)
                 elif average.any():  # other ranks gave it a gradient
-                    p.grad = average.clone()
+                    p.grad = average.to(p.dtype, copy=True)
+                if id(p) in self._master and p.grad is not None:
+                    self._master[id(p)].grad = average.to(torch.float32, copy=True)
         self._drop_pending()
+        self._synchronized = True
 
     def _drop_pending(self) -> None:
         for *_, work in self._pending:
@@ -185,9 +240,20 @@ class ShardedOptimizer:
         """Finish averaging the gradients onto their owners, step this rank's parameters, and
         all-gather each bucket's updated segments (sends (N-1) x chunk elements per bucket)."""
         self.finish_gradient_synchronization()
+        if not self.gradients_unscaled and not self._warned_fp16 and any(p.dtype == torch.float16 for p in self.params):
+            warnings.warn("fp16 gradients without loss scaling underflow to zero below 2**-24: step through "
+                          "parakit.precision.LossScaler (scaler.scale(loss).backward(); scaler.step(optimizer); "
+                          "scaler.update()), or train in torch.bfloat16", stacklevel=2)
+            self._warned_fp16 = True
+        self.gradients_unscaled = False
         for full, local in zip(self.param_groups, self.optimizer.param_groups):
             local.update({k: v for k, v in full.items() if k != "params"})
         loss = self.optimizer.step(closure)
+        for p in self.params:  # the updated masters, rounded into the parameters (views of the buckets)
+            master = self._master.get(id(p))
+            if master is not None:
+                p.detach().copy_(master)
+                master.grad = None
         works = []
         for bucket in self.buckets:
             mine = bucket.values[self.rank * bucket.chunk:(self.rank + 1) * bucket.chunk].clone()  # [chunk]
@@ -198,6 +264,9 @@ class ShardedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._drop_pending()
+        self._synchronized = False
+        for master in self._master.values():
+            master.grad = None
         for p in self.params:
             if set_to_none:
                 p.grad = None
