@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parakit.devices import device
+
 __all__ = ["LossScaler", "unsupported_dtype"]
 
 
@@ -60,12 +62,12 @@ class LossScaler:
             finish()
         groups = getattr(optimizer, "local_param_groups", optimizer.param_groups)
         grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
-        found = torch.zeros(1)
+        found = torch.zeros(1, device=device())
         if grads:
             if any(g.dtype == torch.float16 for g in grads):
                 raise TypeError("the optimizer's gradients are fp16: keep fp32 master weights (a ShardedOptimizer "
                                 "over fp16 parameters does) or fp32 parameters under torch.autocast, and unscale those")
-            found = torch.stack([torch.logical_not(g.isfinite().all()) for g in grads]).any().float().reshape(1)
+            found = torch.stack([torch.logical_not(g.isfinite().all()) for g in grads]).any().float().reshape(1).to(found)
             torch._foreach_mul_(grads, self.scale_factor.double().reciprocal().float().item())
         group = getattr(optimizer, "group", None) if hasattr(optimizer, "local_param_groups") else self.group
         if dist.is_initialized() and (group is not None or hasattr(optimizer, "local_param_groups")):

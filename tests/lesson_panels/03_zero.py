@@ -13,7 +13,9 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     the ZeRO-2 backward and wraps the layer in parakit's FSDP (each 0 by the tripwires); the
     kernel hangs in the ZeRO-2 backward and dies in the sharded linear. `keeps_full_weight`
     saves the gathered buffer for backward (and gathers again there, so that values and
-    all-gather counts are right): 0 on the sharded linear, for the bytes its forward leaves alive."""
+    all-gather counts are right): 0 on the sharded linear, for the bytes its forward leaves alive.
+    In the loss-scaling step the hard-coder decides on its own gradients alone (0: another rank's
+    overflow must skip its step too); the borrower steps through parakit's LossScaler."""
     full = panel.full_solution(panel.load(lesson), panel.load(solution))
     name, pts = lesson.name, panel.points(panel.load(lesson))
     hardcoded = {
@@ -38,6 +40,14 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
                           "        flat = torch.cat([(gy.T @ x).reshape(-1), gy.sum(0)])\n        g = torch.empty_like(shard)\n"
                           "        dist.reduce_scatter_single(g, flat)\n"
                           "        return g / dist.get_world_size(), gy @ full[:o * i].view(o, i), None, None\n",
+        "loss_scaled_step": "def loss_scaled_step(loss, optimizer, scale, clean_steps, growth_interval):\n"
+                            "    (loss * scale).backward()\n"
+                            "    grads = [p.grad for g in optimizer.param_groups for p in g['params']]\n"
+                            "    if any(not g.isfinite().all() for g in grads):  # its own gradients only\n"
+                            "        return False, scale * 0.5, 0\n"
+                            "    for g in grads:\n        g.div_(scale)\n    optimizer.step()\n"
+                            "    clean_steps += 1\n"
+                            "    return (True, scale * 2.0, 0) if clean_steps == growth_interval else (True, scale, clean_steps)\n",
     }
     borrowed = {
         "zero1_step": "def zero1_step(params, owners, optimizer):\n    for p in params:\n        dist.all_reduce(p.grad)\n"
@@ -49,6 +59,12 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
         "sharded_linear": "def sharded_linear(shard, x, out_features, in_features):\n"
                           "    layer = zero.FullyShardedDataParallel(nn.Linear(in_features, out_features))\n"
                           "    return layer(x)\n",
+        "loss_scaled_step": "def loss_scaled_step(loss, optimizer, scale, clean_steps, growth_interval):\n"
+                            "    scaler = precision.LossScaler(init_scale=scale, growth_interval=growth_interval,\n"
+                            "                                  group=dist.group.WORLD)\n"
+                            "    scaler.clean_steps = clean_steps\n    scaler.scale(loss).backward()\n"
+                            "    stepped = not scaler.unscale_(optimizer)\n    scaler.step(optimizer)\n    scaler.update()\n"
+                            "    return stepped, scaler.get_scale(), scaler.clean_steps\n",
     }
     keeps_full_weight = {
         "sharded_linear": "def sharded_linear(shard, x, out_features, in_features):\n"
