@@ -263,6 +263,46 @@ def test_fsdp_equals_torch_fully_shard(world_size):
         torch.testing.assert_close(mine, torchs)
 
 
+def gathered_while_computing(prefetch: bool):
+    """For each unit's forward, which units are gathered; for each unit's backward (when the
+    gradient of its output is there), whether the unit before it is gathered; and the result."""
+    net, (x, y) = layers()
+    model = zero.FullyShardedDataParallel(net, units=list(net), prefetch=prefetch)
+    seen = {"forward": [], "backward": []}
+
+    def before(module, args):  # after FSDP's own pre-hook has gathered the unit
+        seen["forward"].append([u.gathered() for u in model.units])
+
+    def watch(module, args, out):  # the gradient of unit i's output is there when unit i + 1's backward is done
+        if module is not net[-1]:
+            out.register_hook(lambda g, i=list(net).index(module): seen["backward"].append((i, model.units[i].gathered())))
+
+    for step in range(2):
+        seen = {"forward": [], "backward": []}
+        hooks = [m.register_forward_pre_hook(before) for m in net] + [m.register_forward_hook(watch) for m in net]
+        F.mse_loss(model(x), y).backward()
+        model.finish_gradient_synchronization()
+        for h in hooks:
+            h.remove()
+    return seen, [t for t in model.gather_full_params().values()]
+
+
+def test_fsdp_prefetches_the_next_unit_in_forward_and_the_previous_in_backward():
+    """The second step knows the order: each unit computes while the next one's all-gather
+    travels (forward), and while the one before it is gathered for its backward; the first
+    unit saved no weight, so nothing is prefetched for it. Without prefetch one unit at a time,
+    and the same parameters."""
+    (ahead, with_params), (alone, without_params) = [parakit.launch(gathered_while_computing, p, world_size=2)[0]
+                                                     for p in (True, False)]
+    assert ahead["forward"] == [[True, True, False, False], [False, True, True, False], [False, False, True, True],
+                                [False, False, False, True]]
+    assert alone["forward"] == [[i == j for j in range(4)] for i in range(4)]
+    assert ahead["backward"] == [(2, True), (1, True), (0, False)]  # unit i before unit i + 1's backward ends
+    assert alone["backward"] == [(2, False), (1, False), (0, False)]
+    for a, b in zip(with_params, without_params):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def forgets_to_finish(seed):
     net = TiedNet(seed)
     model = zero.FullyShardedDataParallel(net, units=net.units())
@@ -311,7 +351,8 @@ def expected_bytes(stage: int, n: int, rank: int) -> dict:
         sent += sum(comm.ring_bytes("reduce_scatter_single", 4 * n * c, n) for c in chunks)
         return {"rest": {"parameters": 4 * sum(chunks), "gradients": 4 * sum(chunks),
                          "optimizer": sum(8 * c + 4 for c in chunks)},
-                "peak_parameters": 4 * sum(chunks) + 4 * n * max(chunks), "wire_bytes": sent}
+                "peak_parameters": 4 * sum(chunks) + 4 * n * max(a + b for a, b in zip(chunks, chunks[1:])),
+                "wire_bytes": sent}  # at the peak a unit computes while the next is prefetched
     mine = [s for s, o in zip(PARAMS, owners) if o == rank]
     if stage == 0:
         return {"rest": {"parameters": 4 * psi, "gradients": 4 * psi, "optimizer": 8 * psi + 4 * len(PARAMS)},
@@ -338,7 +379,7 @@ def test_bytes_held_and_sent_per_rank_are_exact_at_every_stage(world_size):
             assert got["peak"]["optimizer"] == expected["rest"]["optimizer"], (stage, rank)  # made in step 1, updated
             # in place after
             assert got["wire_bytes"] == expected["wire_bytes"], (stage, rank)
-            if stage == 3:  # one unit gathered at a time on top of the shards
+            if stage == 3:  # two units gathered at a time on top of the shards: one computing, the next prefetched
                 assert got["peak"]["parameters"] == expected["peak_parameters"]
             else:
                 assert got["peak"]["parameters"] == got["rest"]["parameters"]

@@ -24,7 +24,8 @@ the optimizer (K = 12 with Adam); fp16 steps through `parakit.precision.LossScal
 name, the rest in the root unit), pads them to a multiple of N and keeps 1/N: the flat
 shard, a Parameter of the wrapper (fp32 master weights; optimizers see these). Before a
 unit runs, its shard is all-gathered (in `compute_dtype`) and the module's parameters
-become views of the full buffer; after, the buffer's storage is freed. Autograd keeps the
+become views of the full buffer; after, the buffer's storage is freed. The next unit's
+all-gather starts as one unit is gathered (prefetching, in forward and in backward). Autograd keeps the
 views it saved; when backward unpacks them the unit is gathered again; when the gradients
 of its parameters are all there, they are reduce-scattered (fp32, averaged) into the
 shard's `.grad`. Step per unit: all-gather, all-gather, reduce-scatter: 3 Psi. Frozen

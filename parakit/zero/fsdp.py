@@ -24,6 +24,8 @@ class _Unit:
         torch.cat([p.detach().reshape(-1) for p in params], out=flat[: self.offsets[-1]])
         self.shard = nn.Parameter(flat[rank * self.chunk:(rank + 1) * self.chunk].clone())  # [chunk]
         self.full = torch.empty(0, dtype=dtype or flat.dtype, device=flat.device)  # [N * chunk] while gathered
+        self._gathering = None  # (work, the chunk it sends) of an all-gather in flight
+        self.reduced = False  # its gradients went in this backward (no prefetch after that)
         for places in locations:
             for owner, name in places:
                 del owner._parameters[name]
@@ -31,20 +33,30 @@ class _Unit:
     def gathered(self) -> bool:
         return self.full.untyped_storage().nbytes() > 0
 
-    def gather(self) -> list[torch.Tensor]:
+    def gather(self, wait: bool = True) -> list[torch.Tensor]:
         """All-gather the unit (each rank sends its chunk, in compute dtype, to the N-1 others)
-        into the full buffer, unless it is there; return one view per parameter."""
+        into the full buffer, unless it is there or on its way; return one view per parameter.
+        wait=False (a prefetch): start the all-gather and return without waiting."""
         if not self.gathered():
             n = dist.get_world_size(self.group)
             if self.full.numel() == 0:
                 self.full = torch.empty(n * self.chunk, dtype=self.full.dtype, device=self.full.device)
             else:
                 self.full.untyped_storage().resize_(n * self.chunk * self.full.element_size())
-            dist.all_gather_single(self.full.data, self.shard.detach().to(self.full.dtype), group=self.group)
+            mine = self.shard.detach().to(self.full.dtype)  # [chunk]
+            self._gathering = dist.all_gather_single(self.full.data, mine, group=self.group, async_op=True), mine
+        if wait:
+            self.wait()
         return [self.full[a:b].view(shape) for a, b, shape in zip(self.offsets, self.offsets[1:], self.shapes)]
+
+    def wait(self) -> None:
+        if self._gathering is not None:
+            self._gathering[0].wait()
+            self._gathering = None
 
     def free(self) -> None:
         """Free the full buffer's memory; the views keep their shapes and come back on gather."""
+        self.wait()
         self.full.untyped_storage().resize_(0)
 
 
@@ -70,14 +82,22 @@ class FullyShardedDataParallel(nn.Module):
     outside them (and tied ones shared between units) form the root unit, gathered for the
     whole forward. `compute_dtype` (e.g. torch.bfloat16): the dtype of the gathered
     parameters and of the floating inputs; shards and gradients stay in fp32.
+
+    Prefetching (`prefetch=True`): as a unit is gathered, the all-gather of the next one starts
+    (in forward, the order of the last forward; in backward, the reverse order in which units
+    saved parameters for it), so that it travels while this one computes. The traffic is the
+    same; a rank holds two gathered units at once instead of one.
     """
 
-    def __init__(self, module: nn.Module, units=(), compute_dtype: torch.dtype | None = None, group=None):
+    def __init__(self, module: nn.Module, units=(), compute_dtype: torch.dtype | None = None, group=None,
+                 prefetch: bool = True):
         super().__init__()
         if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
             raise TypeError(f"compute_dtype must be a floating-point torch.dtype such as torch.bfloat16 or "
                             f"torch.float16 (or None to compute in the parameters' dtype), got {compute_dtype!r}")
-        self.module, self.group, self.compute_dtype = module, group, compute_dtype
+        self.module, self.group, self.compute_dtype, self.prefetch = module, group, compute_dtype, prefetch
+        self._order, self._gathered = [], []  # units in the order the last forward gathered them / this one does
+        self._saved = []  # units in the order this forward first saved a tensor of them for backward
         self.world_size = dist.get_world_size(group)
         broadcast_from_first([*module.parameters(), *module.buffers()], group)
         self.names = {}  # original name -> (unit index, parameter index), or None where frozen
@@ -120,8 +140,14 @@ class FullyShardedDataParallel(nn.Module):
         return units
 
     def _gather(self, unit: _Unit) -> None:
-        """Before a unit runs: its parameters become views of its gathered full buffer."""
-        for view, places in zip(_GatherUnit.apply(unit.shard, self, unit), unit.locations):
+        """Before a unit runs: its parameters become views of its gathered full buffer; the unit
+        that came after it in the last forward starts its all-gather."""
+        views = _GatherUnit.apply(unit.shard, self, unit)
+        at = len(self._gathered)
+        self._gathered.append(unit)
+        if self.prefetch and at + 1 < len(self._order) and self._order[at] is unit:
+            self._order[at + 1].gather(wait=False)
+        for view, places in zip(views, unit.locations):
             for owner, name in places:
                 setattr(owner, name, view)
 
@@ -131,21 +157,35 @@ class FullyShardedDataParallel(nn.Module):
                                "after backward and before optimizer.step()")
         if self.compute_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
+        self._gathered, self._saved = [], []
+        for unit in self.units:
+            unit.reduced = False
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            return self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
+        self._order = self._gathered
+        return out
 
     def _pack(self, tensor: torch.Tensor):
         """What autograd saves: a view of a unit's buffer is tagged so that it is gathered again."""
         ptr = tensor.untyped_storage().data_ptr()
         unit = next((u for u in self.units if ptr and u.full.untyped_storage().data_ptr() == ptr), None)
-        return tensor if unit is None else (unit, tensor)
+        if unit is None:
+            return tensor
+        if not any(u is unit for u in self._saved):
+            self._saved.append(unit)
+        return unit, tensor
 
-    @staticmethod
-    def _unpack(packed):
-        if isinstance(packed, tuple):
-            packed[0].gather()
-            return packed[1]
-        return packed
+    def _unpack(self, packed):
+        """Backward needs a saved view of a unit: gather it (again), and prefetch the unit that
+        saved tensors before it, unless its gradients went already."""
+        if not isinstance(packed, tuple):
+            return packed
+        unit, tensor = packed
+        unit.gather()
+        at = next(i for i, u in enumerate(self._saved) if u is unit)
+        if self.prefetch and at > 0 and not self._saved[at - 1].reduced:
+            self._saved[at - 1].gather(wait=False)
+        return tensor
 
     def _reduce_scatter(self, unit: _Unit, grads) -> None:
         """Free the unit's full buffer and start reduce-scattering its gradients (fp32, padded:
@@ -156,6 +196,7 @@ class FullyShardedDataParallel(nn.Module):
             if grad is not None:
                 flat[a:b] = grad.reshape(-1)  # [numel] into [N * chunk], cast to fp32
         unit.free()
+        unit.reduced = True
         out = torch.empty_like(unit.shard)  # [chunk]
         self._pending = unit, flat, out, dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
 
