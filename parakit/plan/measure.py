@@ -87,25 +87,16 @@ def measure(model: Model, config: Config) -> list[dict]:
     return launch(run_config, model, config, world_size=config.devices, backend="gloo")
 
 
-GLOO_FRAMING = {"all_reduce": 576, "send": 144, "reduce": 360, "broadcast": 72}  # bytes per call and peer step
+GLOO_FRAMING = {"all_reduce": 576, "all_gather": 288, "send": 144}  # bytes per call and peer step
 
 
 def gloo_sent(model: Model, config: Config, stage: int) -> float:
-    """The planner's bytes sent by pipeline rank `stage`, as gloo sends them: a model fitted
-    once to the OS's counts on 2 and 4 ranks (`GLOO_FRAMING`: each all-reduce writes 576 (n-1)
-    bytes of headers, each send 144), and parakit's ZeRO-1/2, which reduces each parameter's
-    gradient to its owner and broadcasts it back: gloo's reduce sends M from the other ranks
-    and (n-1)/n M from the root, its broadcast (a tree) (n-1)/n M on average, so
-    (n-1)/n (2 + 1/n) M per rank where owners are balanced."""
-    total = 0.0
-    for c in traffic(model, config, stage, backend="gloo"):
-        if c.group == "dp" and config.zero in (1, 2):
-            n, psi_bytes = c.size, c.nbytes
-            tensors = 12 * model.layers // config.pp + 5 + model.positions  # parameters reduced one by one
-            total += (n - 1) / n * (2 + 1 / n) * psi_bytes + tensors * (GLOO_FRAMING["reduce"] + GLOO_FRAMING["broadcast"]) / n * (n - 1)
-            continue
-        total += c.sent + c.count * GLOO_FRAMING.get(c.op, 0) * (c.size - 1 if c.op != "send" else 1)
-    return total
+    """The planner's bytes sent by pipeline rank `stage`, as gloo sends them: the traffic of
+    `plan.traffic(..., backend="gloo")` plus gloo's headers, fitted once to the OS's counts on
+    2 and 4 ranks (`GLOO_FRAMING`: each all-reduce writes 576 (n-1) bytes of them, each
+    all-gather 288 (n-1), each send 144)."""
+    return sum(c.sent + c.count * GLOO_FRAMING.get(c.op, 0) * (c.size - 1 if c.op != "send" else 1)
+               for c in traffic(model, config, stage, backend="gloo"))
 
 
 def compare(model: Model, config: Config, measured: list[dict]) -> list[dict]:
@@ -115,7 +106,7 @@ def compare(model: Model, config: Config, measured: list[dict]) -> list[dict]:
     for rank, got in enumerate(measured):
         stage = got["stage"]
         sent = gloo_sent(model, config, stage)
-        peak = memory(model, None, config, stage).peak
+        peak = memory(model, None, config, stage, backend="gloo").peak
         rows.append({"rank": rank, "sent": sent, "written": got["written"], "wire": got["wire"],
                      "sent_error": sent / got["written"] - 1 if got["written"] else float("nan"),
                      "peak": peak, "measured_peak": got["peak"], "peak_error": peak / got["peak"] - 1})
