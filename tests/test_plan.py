@@ -129,10 +129,8 @@ MEASURED = [Config(dp=2, microbatches=2, microbatch=4, dtype="fp32", ddp_buckets
             Config(dp=4, microbatch=4, dtype="fp32", ddp_buckets=True),
             Config(dp=2, pp=2, microbatches=2, microbatch=4, dtype="fp32", ddp_buckets=True),
             Config(dp=4, zero=3, microbatch=4, dtype="fp32"),
-            Config(dp=4, zero=1, microbatch=4, dtype="fp32")]
-# Measured but outside the 10% peak bar (see the lesson's table): tp2 x pp2 with full checkpointing, under-predicted
-# by 20% (first stage) and 11% (last) (the recomputed layer's backward holds more than its activations); its bytes sent are exact.
-OUTSIDE_PEAK_BAR = [Config(tp=2, pp=2, microbatches=2, microbatch=8, dtype="fp32", ddp_buckets=True, checkpointing="full")]
+            Config(dp=4, zero=1, microbatch=4, dtype="fp32"),
+            Config(tp=2, pp=2, microbatches=2, microbatch=8, dtype="fp32", ddp_buckets=True, checkpointing="full")]
 
 
 @pytest.mark.parametrize("config", MEASURED, ids=str)
@@ -140,13 +138,6 @@ def test_predicted_bytes_sent_within_2_and_peak_within_10_percent(config):
     for row in compare(tiny_model(), config, measure(tiny_model(), config)):
         assert abs(row["sent_error"]) <= 0.02, row
         assert abs(row["peak_error"]) <= 0.10, row
-
-
-@pytest.mark.parametrize("config", OUTSIDE_PEAK_BAR, ids=str)
-def test_bytes_sent_within_2_percent_where_the_peak_misses_its_bar(config):
-    for row in compare(tiny_model(), config, measure(tiny_model(), config)):
-        assert abs(row["sent_error"]) <= 0.02, row
-        assert abs(row["peak_error"]) <= 0.25, row  # the figure we reach (-20% and -11%), not the bar
 
 
 def test_tensor_parallel_within_a_node_and_pipelines_across_ranks_first_as_narayanan_et_al_measured():

@@ -19,7 +19,7 @@ from parakit.zero.optimizer import partition_parameters
 from parakit.zero.paper import zero_bytes
 
 __all__ = ["Memory", "PlanError", "ZeroLayout", "layer_tensors", "layer_params", "stage_tensors", "stage_params",
-           "zero_layout", "layer_activation_bytes", "in_flight", "in_flight_with_gradients", "memory"]
+           "zero_layout", "layer_activation_bytes", "recompute_bytes", "in_flight", "in_flight_with_gradients", "memory"]
 
 
 BUCKET_MB = 25.0  # ShardedOptimizer's and BucketedDDP's bucket_size_mb
@@ -160,6 +160,18 @@ def layer_activation_bytes(model: Model, config: Config) -> float:
     return s * b * 4 * (floats / divide if sp else floats)
 
 
+def recompute_bytes(model: Model, config: Config) -> float:
+    """What full checkpointing's backward of one layer holds beyond the stored inputs: the
+    layer's activations recomputed in full, and the gradients flowing back through it: its
+    output's [microbatch, seq, hidden] and two of the MLP's [microbatch, seq, ffn/tp] (the
+    gradient of fc2's input while fc1's output's is made; measured on plan.measure's runs).
+    The planner counts it with the micro-batch's stored inputs, on top of all the gradients."""
+    s, b, act = model.seq // config.cp, config.microbatch, DTYPES[config.dtype][3]
+    sp = config.sp and config.tp > 1
+    flowing = s * b * act * (model.hidden / (config.tp if sp else 1) + 2 * model.ffn_hidden * model.top_k / config.tp)
+    return layer_activation_bytes(model, replace(config, checkpointing="none")) + flowing
+
+
 def stage_extra_bytes(model: Model, config: Config, stage: int) -> float:
     """Activations outside the layers ("parakit" model only; Korthikanti's formula counts
     the layers): the token ids (int64) on the first stage; the final norm's input and
@@ -250,8 +262,8 @@ def memory(model: Model, cluster: Cluster | None, config: Config, stage: int | N
     per_layer = layer_activation_bytes(model, config)
     activations = held * (layers_per_chunk * per_layer + stage_extra_bytes(model, config, stage))
     transient = 0.0
-    if config.checkpointing == "full":  # one layer recomputed in full during backward
-        transient += layer_activation_bytes(model, replace(config, checkpointing="none"))
+    if config.checkpointing == "full":  # during a backward, with the gradients there: see recompute_bytes
+        transient += recompute_bytes(model, config) + per_layer * layers_per_chunk
     if config.zero == 3:  # one unit (a layer) gathered, its full gradients, and their flat copy for the reduce-scatter
         transient += 3 * sum(layer_params(model, config.tp, config.ep)) * pbytes
     if config.ddp_buckets and config.zero == 0:  # the buckets hold a second copy of the gradients
