@@ -100,9 +100,9 @@ def traffic(model: Model, config: Config, stage: int = 0, backend: str = "nccl")
         per_layer = ring_bytes_per_rank(shape, config.cp, act, backward=True)
         message = 2 * b * s * h // t * act
         out.append(Traffic("cp", "send", message, round(per_layer / message) * layers * m, config.cp, "attention"))
-    if config.ep > 1 and model.experts > 1:  # dispatch and combine, forward and backward
-        out.append(Traffic("ep", "all_to_all", b * s * model.top_k * h * act / (t if config.sp else 1),
-                           4 * layers * m, config.ep))
+    if config.ep > 1 and model.experts > 1:  # dispatch and combine, forward and backward; the counts first (int64)
+        out += [Traffic("ep", "all_to_all", b * s * model.top_k * h * act / (t if config.sp else 1), 4 * layers * m, config.ep),
+                Traffic("ep", "all_to_all", 8 * model.experts, layers * m, config.ep)]
     if config.pp > 1:
         v, p = config.v, config.pp
         message = b * s * h * act / (t if config.sp else 1)
