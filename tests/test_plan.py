@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from parakit.plan import Cluster, Config, Model, PlanError, in_flight, layer_activation_bytes, memory, search, stage_params, step_time
+from parakit.plan import (Cluster, Config, Model, PlanError, in_flight, layer_activation_bytes, memory, search, stage_params,
+                          stage_tensors, step_time, zero_layout)
 from parakit.plan.measure import compare, measure, measure_context_parallel, measure_expert_parallel, tiny_model
 from parakit.sequence_parallel import paper_activation_bytes
 from parakit.zero.paper import zero_bytes
@@ -62,6 +63,27 @@ def test_parakit_activation_model_counts_what_autograd_saves():
         assert got == [layer_activation_bytes(model, Config(tp=tp, microbatch=2))] * tp
 
 
+def test_stage_tensors_are_the_trainers_parameters_in_order():
+    from parakit.launcher import launch
+
+    def numels(model):
+        from parakit.plan.measure import _args
+        from parakit.train import build_model
+        return [p.numel() for p in build_model(_args(model, Config())).parameters()]
+
+    model = tiny_model()
+    for tp in (1, 2):
+        assert launch(numels, model, world_size=tp, backend="gloo") == [stage_tensors(model, Config(tp=tp), 0)[0]] * tp
+
+
+def test_zero_layout_pads_each_bucket_to_its_largest_owner():
+    # the tiny model on 4 ranks: one bucket; owners (largest first, to the emptiest rank) hold 28672, 28672, 26048, 25984
+    layout = zero_layout(tuple(stage_tensors(tiny_model(), Config(), 0)[0]), 4, 4, owners=True)
+    assert (layout.chunks, layout.owned, layout.padded) == ((28672,), 28672, 4 * 28672)
+    even = zero_layout(tuple(stage_tensors(tiny_model(), Config(), 0)[0]), 4, 4, owners=False)
+    assert (even.chunks, even.padded) == ((109376 // 4,), 109376)
+
+
 @pytest.mark.parametrize("config,model,says", [
     (Config(dp=3, tp=2), GPT3, "dp x tp x pp x cp = 3 x 2 x 1 x 1 = 6 devices, but the cluster has 64 (+58)"),
     (Config(tp=64), GPT3, "heads = 96 does not split evenly over tp = 64 (remainder 32)"),
@@ -106,10 +128,9 @@ MEASURED = [Config(dp=2, microbatches=2, microbatch=4, dtype="fp32", ddp_buckets
             Config(pp=2, microbatches=4, microbatch=2, schedule="gpipe", dtype="fp32", ddp_buckets=True),
             Config(dp=4, microbatch=4, dtype="fp32", ddp_buckets=True),
             Config(dp=2, pp=2, microbatches=2, microbatch=4, dtype="fp32", ddp_buckets=True),
-            Config(dp=4, zero=3, microbatch=4, dtype="fp32")]
-# Measured but outside the 10% peak bar (see the lesson's table): tp2 x pp2 with full checkpointing, under-predicted
-# by 20% (first stage) and 11% (last) (the recomputed layer's backward holds more than its activations); its bytes sent are exact.
-OUTSIDE_PEAK_BAR = [Config(tp=2, pp=2, microbatches=2, microbatch=8, dtype="fp32", ddp_buckets=True, checkpointing="full")]
+            Config(dp=4, zero=3, microbatch=4, dtype="fp32"),
+            Config(dp=4, zero=1, microbatch=4, dtype="fp32"),
+            Config(tp=2, pp=2, microbatches=2, microbatch=8, dtype="fp32", ddp_buckets=True, checkpointing="full")]
 
 
 @pytest.mark.parametrize("config", MEASURED, ids=str)
@@ -117,13 +138,6 @@ def test_predicted_bytes_sent_within_2_and_peak_within_10_percent(config):
     for row in compare(tiny_model(), config, measure(tiny_model(), config)):
         assert abs(row["sent_error"]) <= 0.02, row
         assert abs(row["peak_error"]) <= 0.10, row
-
-
-@pytest.mark.parametrize("config", OUTSIDE_PEAK_BAR, ids=str)
-def test_bytes_sent_within_2_percent_where_the_peak_misses_its_bar(config):
-    for row in compare(tiny_model(), config, measure(tiny_model(), config)):
-        assert abs(row["sent_error"]) <= 0.02, row
-        assert abs(row["peak_error"]) <= 0.25, row  # the figure we reach (-20% and -11%), not the bar
 
 
 def test_tensor_parallel_within_a_node_and_pipelines_across_ranks_first_as_narayanan_et_al_measured():
@@ -144,8 +158,8 @@ def test_ring_attention_bytes_sent_within_2_percent(cp):
         assert abs(row["sent_error"]) <= 0.02, row
 
 
-@pytest.mark.parametrize("ep,bar", [(2, 0.02), (4, 0.03)])  # 4 ranks: the router's imbalance reaches 2.2%
-def test_expert_parallel_bytes_sent_near_the_even_routing_model(ep, bar):
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_bytes_sent_within_2_percent_with_the_rows_routed(ep):
     model = Model(layers=1, hidden=32, heads=4, seq=1024, vocab=2, ffn=64, experts=8, top_k=2, activations="parakit")
     for row in measure_expert_parallel(model, Config(dp=ep, ep=ep, microbatch=1, dtype="fp32")):
-        assert abs(row["sent_error"]) <= bar, row
+        assert abs(row["sent_error"]) <= 0.02, row

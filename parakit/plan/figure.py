@@ -10,7 +10,7 @@ from parakit.plan.time import step_time
 
 __all__ = ["draw_plan"]
 
-KINDS = ("parameters", "gradients", "optimizer", "activations", "transient")
+KINDS = ("parameters", "gradients", "optimizer", "reductions", "activations", "transient")
 
 
 def draw_plan(model: Model, cluster: Cluster, config: Config):

@@ -21,7 +21,7 @@ from parakit.launcher import launch
 from parakit.mesh import Mesh
 from parakit.pipeline import dp_pp_step, split_stages
 from parakit.plan.memory import memory
-from parakit.plan.spec import Config, Model
+from parakit.plan.spec import DTYPES, Config, Model
 from parakit.plan.time import traffic
 from parakit.zero.fsdp import FullyShardedDataParallel
 from parakit.zero.optimizer import ShardedOptimizer
@@ -87,25 +87,16 @@ def measure(model: Model, config: Config) -> list[dict]:
     return launch(run_config, model, config, world_size=config.devices, backend="gloo")
 
 
-GLOO_FRAMING = {"all_reduce": 576, "send": 144, "reduce": 360, "broadcast": 72}  # bytes per call and peer step
+GLOO_FRAMING = {"all_reduce": 576, "all_gather": 288, "all_to_all": 144, "send": 144}  # bytes per call and peer step
 
 
 def gloo_sent(model: Model, config: Config, stage: int) -> float:
-    """The planner's bytes sent by pipeline rank `stage`, as gloo sends them: a model fitted
-    once to the OS's counts on 2 and 4 ranks (`GLOO_FRAMING`: each all-reduce writes 576 (n-1)
-    bytes of headers, each send 144), and parakit's ZeRO-1/2, which reduces each parameter's
-    gradient to its owner and broadcasts it back: gloo's reduce sends M from the other ranks
-    and (n-1)/n M from the root, its broadcast (a tree) (n-1)/n M on average, so
-    (n-1)/n (2 + 1/n) M per rank where owners are balanced."""
-    total = 0.0
-    for c in traffic(model, config, stage, backend="gloo"):
-        if c.group == "dp" and config.zero in (1, 2):
-            n, psi_bytes = c.size, c.nbytes
-            tensors = 12 * model.layers // config.pp + 5 + model.positions  # parameters reduced one by one
-            total += (n - 1) / n * (2 + 1 / n) * psi_bytes + tensors * (GLOO_FRAMING["reduce"] + GLOO_FRAMING["broadcast"]) / n * (n - 1)
-            continue
-        total += c.sent + c.count * GLOO_FRAMING.get(c.op, 0) * (c.size - 1 if c.op != "send" else 1)
-    return total
+    """The planner's bytes sent by pipeline rank `stage`, as gloo sends them: the traffic of
+    `plan.traffic(..., backend="gloo")` plus gloo's headers, fitted once to the OS's counts on
+    2 and 4 ranks (`GLOO_FRAMING`: each all-reduce writes 576 (n-1) bytes of them, each
+    all-gather 288 (n-1), each all-to-all 144 (n-1), each send 144)."""
+    return sum(c.sent + c.count * GLOO_FRAMING.get(c.op, 0) * (c.size - 1 if c.op != "send" else 1)
+               for c in traffic(model, config, stage, backend="gloo"))
 
 
 def compare(model: Model, config: Config, measured: list[dict]) -> list[dict]:
@@ -115,7 +106,7 @@ def compare(model: Model, config: Config, measured: list[dict]) -> list[dict]:
     for rank, got in enumerate(measured):
         stage = got["stage"]
         sent = gloo_sent(model, config, stage)
-        peak = memory(model, None, config, stage).peak
+        peak = memory(model, None, config, stage, backend="gloo").peak
         rows.append({"rank": rank, "sent": sent, "written": got["written"], "wire": got["wire"],
                      "sent_error": sent / got["written"] - 1 if got["written"] else float("nan"),
                      "peak": peak, "measured_peak": got["peak"], "peak_error": peak / got["peak"] - 1})
@@ -145,10 +136,13 @@ def measure_context_parallel(model: Model, config: Config) -> list[dict]:
     return [{"rank": r, "sent": sent, "written": w, "sent_error": sent / w - 1} for r, w in enumerate(written)]
 
 
-def _moe_step(model: Model, config: Config) -> int:
+def _moe_step(model: Model, config: Config) -> tuple[int, int]:
     """On each rank: one forward and backward of lesson 09's ExpertParallelMoE (capacity for
-    every choice: nothing dropped) on this rank's microbatch x seq tokens; the OS's bytes."""
+    every choice: nothing dropped) on this rank's microbatch x seq tokens; (the OS's bytes,
+    the rows its four row all-to-alls send off the rank: its choices for other ranks' experts
+    out and back, dispatch and combine, and as many for the choices it received)."""
     from parakit.moe import ExpertParallelMoE
+    from parakit.moe.layer import by_expert
     torch.manual_seed(0)
     layer = ExpertParallelMoE(model.hidden, model.ffn_hidden, model.experts, model.top_k,
                               capacity_factor=float(model.experts))
@@ -156,16 +150,28 @@ def _moe_step(model: Model, config: Config) -> int:
     x = torch.randn(config.microbatch * model.seq, model.hidden, requires_grad=True)  # [tokens, hidden]
     with comm.CommLog() as log:
         layer(x).sum().backward()
-    return log.written_bytes()
+    rank, n = torch.distributed.get_rank(), config.ep
+    sent = by_expert(layer.routing.experts, layer.routing.slots, model.experts)[1].view(n, -1).sum(1)  # [n] rows to each rank
+    received = layer.recv_counts.sum(1)  # [n] rows from each rank
+    off_rank = sent.sum() - sent[rank] + received.sum() - received[rank]
+    return log.written_bytes(), 2 * int(off_rank)
 
 
 def measure_expert_parallel(model: Model, config: Config) -> list[dict]:
     """Expert parallelism's bytes on `config.ep` gloo ranks, one MoE layer and micro-batch,
-    against the planner's ep term: dispatch and combine, forward and backward, each sending
-    (ep-1)/ep of the rank's tokens x top_k. The planner assumes the router spreads choices
-    evenly; a real router does not, so each rank's bytes scatter around it."""
+    against the planner's ep term (with gloo's framing per call): dispatch and combine, forward
+    and backward, each sending (ep-1)/ep of the rank's tokens x top_k, and the counts. The
+    planner assumes the router spreads choices evenly ("even", "even_error"); "sent" is the
+    same term with the rows this rank's router and the others' really sent off it."""
     one = replace(config, microbatches=1, dp=config.ep)
     layer = replace(model, layers=1)
-    sent = sum(c.sent for c in traffic(layer, one) if c.group == "ep")
-    written = launch(_moe_step, layer, one, world_size=config.ep, backend="gloo")
-    return [{"rank": r, "sent": sent, "written": w, "sent_error": sent / w - 1} for r, w in enumerate(written)]
+    calls = [c for c in traffic(layer, one) if c.group == "ep"]
+    even = sum(c.sent + c.count * GLOO_FRAMING["all_to_all"] * (c.size - 1) for c in calls)
+    row = model.hidden * DTYPES[config.dtype][3]
+    even_rows = calls[0].sent / row  # 4 (ep-1)/ep tokens x top_k
+    rows = []
+    for r, (written, off_rank) in enumerate(launch(_moe_step, layer, one, world_size=config.ep, backend="gloo")):
+        sent = even + (off_rank - even_rows) * row
+        rows.append({"rank": r, "sent": sent, "written": written, "sent_error": sent / written - 1,
+                     "even": even, "even_error": even / written - 1})
+    return rows

@@ -1,6 +1,6 @@
 """Bytes per device, itemised: parameters, gradients, optimizer state (the ZeRO paper's
 formulas, `parakit.zero.paper`, applied to the parameters a rank's pipeline stage and tensor
-slice hold), activations (Korthikanti et al.'s per-layer formula, `parakit.sequence_parallel`,
+slice hold; ZeRO-1/2 by the buckets of parakit's ShardedOptimizer, `zero_layout`), activations (Korthikanti et al.'s per-layer formula, `parakit.sequence_parallel`,
 times the micro-batches the schedule keeps in flight, counted by `parakit.pipeline`'s
 simulator) and transient buffers. Every figure is a model; `plan.measure` checks it.
 """
@@ -9,13 +9,21 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+import torch
+
+from parakit.ddp import assign_buckets
 from parakit.pipeline import build_schedule, simulate
 from parakit.plan.spec import DTYPES, Cluster, Config, Model, problems
 from parakit.sequence_parallel import paper_activation_bytes
+from parakit.zero.optimizer import partition_parameters
 from parakit.zero.paper import zero_bytes
 
-__all__ = ["Memory", "PlanError", "layer_params", "stage_params", "layer_activation_bytes", "in_flight",
-           "in_flight_with_gradients", "memory"]
+__all__ = ["Memory", "PlanError", "ZeroLayout", "layer_tensors", "layer_params", "stage_tensors", "stage_params",
+           "zero_layout", "layer_activation_bytes", "recompute_bytes", "in_flight", "in_flight_with_gradients", "memory"]
+
+
+BUCKET_MB = 25.0  # ShardedOptimizer's and BucketedDDP's bucket_size_mb
+_DTYPE = {2: torch.bfloat16, 4: torch.float32}
 
 
 class PlanError(ValueError):
@@ -29,13 +37,15 @@ class PlanError(ValueError):
 @dataclass
 class Memory:
     """Bytes on one device (pipeline rank `stage`): `items` maps parameters, gradients,
-    optimizer, activations, transient to bytes; `fits` against the device's memory (None
-    without a cluster). A model, not a measurement.
+    optimizer, activations, transient, reductions (ZeRO-1/2's flat gradient buffers, in flight
+    from backward to the step) to bytes; `fits` against the device's memory (None without a
+    cluster). A model, not a measurement.
 
-    Gradients are set to None between steps, so they appear with the first backward:
-    `peak` is the larger of the most activations before it (`in_flight` micro-batches, no
-    gradients) and the most after it (`with_gradients` micro-batches, gradients too; 1F1B's
-    steady state), and the end of the backward (gradients, no activations)."""
+    Gradients are set to None between steps, so they appear with the first backward, and
+    the reductions with them: `peak` is the larger of the most activations before it
+    (`in_flight` micro-batches, no gradients) and the most after it (`with_gradients`
+    micro-batches, gradients too; 1F1B's steady state), and the end of the backward
+    (gradients, no activations)."""
 
     stage: int
     items: dict[str, float]
@@ -48,39 +58,91 @@ class Memory:
         total = sum(self.items.values())
         per_microbatch = self.items["activations"] / self.in_flight if self.in_flight else 0.0
         states = total - self.items["activations"]
-        return max(states - self.items["gradients"] + self.items["activations"],
+        before = states - self.items["gradients"] - self.items["reductions"]
+        return max(before + self.items["activations"],
                    states + self.with_gradients * per_microbatch, states)
 
 
-def layer_params(model: Model, tp: int, ep: int = 1) -> tuple[int, int]:
-    """(dense, expert) parameters of one transformer layer on one tp rank: column layers
-    (qkv, fc1) split weights and biases, row layers (proj, fc2) split weights and keep the
-    whole bias, layer norms replicated; an MoE layer keeps experts/ep experts and the router."""
+def layer_tensors(model: Model, tp: int, ep: int = 1) -> tuple[list[int], list[int]]:
+    """(dense, expert) elements of each parameter of one transformer layer on one tp rank, in
+    parakit's module order (norm1, qkv, proj, norm2, then fc1, fc2, or the router and the
+    experts' fc1, fc2): column layers (qkv, fc1) split weights and biases, row layers (proj,
+    fc2) split weights and keep the whole bias, layer norms replicated; an MoE layer keeps
+    experts/ep experts and the router."""
     h, f, t = model.hidden, model.ffn_hidden, tp
-    attention = (3 * h * h + 3 * h) // t + h * h // t + h
-    mlp = (h * f + f) // t + f * h // t + h
-    norms = 4 * h
+    attention = [h, h, 3 * h * h // t, 3 * h // t, h * h // t, h, h, h]
+    mlp = [h * f // t, f // t, f * h // t, h]
     if model.experts == 1:
-        return attention + mlp + norms, 0
-    return attention + norms + h * model.experts, mlp * model.experts // ep
+        return attention + mlp, []
+    return attention + [h * model.experts], mlp * (model.experts // ep)
 
 
-def stage_params(model: Model, config: Config, stage: int) -> tuple[int, int]:
-    """(dense, expert) parameters on pipeline rank `stage` of one tp slice: layers/pp blocks,
-    the embedding on the rank of the first stage, the final norm and output layer on the rank
-    of the last (with zbv's V placement that is rank 0 again)."""
-    dense, expert = layer_params(model, config.tp, config.ep)
+def layer_params(model: Model, tp: int, ep: int = 1) -> tuple[int, int]:
+    """(dense, expert) parameters of one transformer layer on one tp rank (`layer_tensors` summed)."""
+    dense, expert = layer_tensors(model, tp, ep)
+    return sum(dense), sum(expert)
+
+
+def stage_tensors(model: Model, config: Config, stage: int) -> tuple[list[int], list[int]]:
+    """(dense, expert) elements of each parameter on pipeline rank `stage` of one tp slice, in
+    module order: the embedding on the rank of the first stage, layers/pp blocks, the final
+    norm and output layer on the rank of the last (with zbv's V placement that is rank 0 again)."""
+    dense, expert = layer_tensors(model, config.tp, config.ep)
     blocks = model.layers // config.pp
     dense, expert = dense * blocks, expert * blocks
     v_split = config.tp if model.vocab_parallel else 1
     last = 0 if config.schedule == "zbv" and config.pp > 1 else config.pp - 1
     if stage == 0:
-        dense += model.vocab * model.hidden // v_split + (model.seq * model.hidden if model.positions else 0)
-    if stage == last and not (model.tied_embeddings and config.pp == 1):
-        dense += model.vocab * model.hidden // v_split + (model.vocab // v_split if model.head_bias else 0)
+        dense = [model.vocab * model.hidden // v_split] + ([model.seq * model.hidden] if model.positions else []) + dense
     if stage == last:
-        dense += 2 * model.hidden
+        dense = dense + [model.hidden, model.hidden]
+    if stage == last and not (model.tied_embeddings and config.pp == 1):
+        dense = dense + [model.vocab * model.hidden // v_split] + ([model.vocab // v_split] if model.head_bias else [])
     return dense, expert
+
+
+def stage_params(model: Model, config: Config, stage: int) -> tuple[int, int]:
+    """(dense, expert) parameters on pipeline rank `stage` of one tp slice (`stage_tensors` summed)."""
+    dense, expert = stage_tensors(model, config, stage)
+    return sum(dense), sum(expert)
+
+
+@dataclass(frozen=True)
+class ZeroLayout:
+    """ZeRO-1/2's buckets on `ranks` ranks, as `zero.ShardedOptimizer` makes them: `chunks`,
+    each bucket's segment per rank (launch order; every rank's padded to the largest);
+    `owned`, the elements of the rank that owns most; `unowned_last`, the elements of the
+    last bucket launched that this rank does not own (ZeRO-2 drops them just after)."""
+
+    ranks: int
+    chunks: tuple[int, ...]
+    owned: int
+    unowned_last: int
+
+    @property
+    def padded(self) -> int:
+        """Elements of all the buckets' flat [ranks x chunk] buffers."""
+        return self.ranks * sum(self.chunks)
+
+
+@lru_cache(maxsize=1024)
+def zero_layout(numels: tuple[int, ...], ranks: int, element: int, owners: bool) -> ZeroLayout:
+    """The buckets of parameters of these sizes (module order, `element` bytes each): by
+    `ddp.assign_buckets` (BUCKET_MB MiB, reverse order), run on meta tensors. `owners`:
+    parakit's layout, each parameter whole to the owner `zero.partition_parameters` gives it;
+    else the paper's, 1/ranks of every bucket to each rank (a flat partition, as DeepSpeed's).
+    Owners pad little where a bucket holds many parameters (5% for the tiny model on 4 ranks);
+    a bucket of one large parameter, as most are at GPU scale, pads to ranks times it."""
+    params = [torch.empty(n, dtype=_DTYPE[element], device="meta") for n in numels]
+    buckets = assign_buckets(params, BUCKET_MB)
+    if owners:
+        owner = dict(zip(map(id, params), partition_parameters([params], ranks)))
+        used = [[sum(p.numel() for p in b if owner[id(p)] == r) for r in range(ranks)] for b in buckets]
+    else:
+        used = [[-(-sum(p.numel() for p in b) // ranks)] * ranks for b in buckets]
+    mine = max(range(ranks), key=lambda r: sum(u[r] for u in used))
+    last = sum(p.numel() for p in buckets[-1])
+    return ZeroLayout(ranks, tuple(max(u) for u in used), sum(u[mine] for u in used), last - used[-1][mine])
 
 
 def layer_activation_bytes(model: Model, config: Config) -> float:
@@ -98,6 +160,18 @@ def layer_activation_bytes(model: Model, config: Config) -> float:
     k = model.top_k if model.experts > 1 else 1  # parakit's fp32 block, counted from its code (tests check it)
     floats = 4 * h + 4 + (4 * h + 2 * model.ffn_hidden * k + a) / t
     return s * b * 4 * (floats / divide if sp else floats)
+
+
+def recompute_bytes(model: Model, config: Config) -> float:
+    """What full checkpointing's backward of one layer holds beyond the stored inputs: the
+    layer's activations recomputed in full, and the gradients flowing back through it: its
+    output's [microbatch, seq, hidden] and two of the MLP's [microbatch, seq, ffn/tp] (the
+    gradient of fc2's input while fc1's output's is made; measured on plan.measure's runs).
+    The planner counts it with the micro-batch's stored inputs, on top of all the gradients."""
+    s, b, act = model.seq // config.cp, config.microbatch, DTYPES[config.dtype][3]
+    sp = config.sp and config.tp > 1
+    flowing = s * b * act * (model.hidden / (config.tp if sp else 1) + 2 * model.ffn_hidden * model.top_k / config.tp)
+    return layer_activation_bytes(model, replace(config, checkpointing="none")) + flowing
 
 
 def stage_extra_bytes(model: Model, config: Config, stage: int) -> float:
@@ -155,29 +229,43 @@ def _after_backward(schedule: str, p: int, m: int, v: int | None) -> tuple[int, 
     return tuple(out)
 
 
-def memory(model: Model, cluster: Cluster | None, config: Config, stage: int | None = None) -> Memory:
+def memory(model: Model, cluster: Cluster | None, config: Config, stage: int | None = None,
+           backend: str = "nccl") -> Memory:
     """Bytes on pipeline rank `stage` (default: the rank with the largest peak). Raises
-    PlanError with every reason when the configuration cannot run."""
+    PlanError with every reason when the configuration cannot run. ZeRO-1/2 as parakit's
+    ShardedOptimizer runs it: parameters in its buckets' flat buffers, every bucket's flat
+    gradient copy in flight from backward to the step; backend="gloo" lays the buckets out
+    as parakit does (`zero_layout`, owners), "nccl" (a GPU cluster) as the paper (even)."""
     reasons = problems(model, cluster, config)
     if reasons:
         raise PlanError(reasons)
     if stage is None:
-        return max((memory(model, cluster, config, r) for r in range(config.pp)), key=lambda m: m.peak)
+        return max((memory(model, cluster, config, r, backend) for r in range(config.pp)), key=lambda m: m.peak)
     pbytes, gbytes, k, _ = DTYPES[config.dtype]
-    dense, expert = stage_params(model, config, stage)
-    states = dict.fromkeys(("parameters", "gradients", "optimizer"), 0.0)
+    states = dict.fromkeys(("parameters", "gradients", "optimizer", "reductions"), 0.0)
     shards = config.dp * config.cp
-    for count, ranks in ((dense, shards), (expert, shards // config.ep)):
-        if count:
-            for kind, nbytes in zero_bytes(count, ranks, config.zero, k, pbytes, gbytes).items():
-                states[kind] += nbytes
+    for tensors, ranks in zip(stage_tensors(model, config, stage), (shards, shards // config.ep)):
+        if not tensors:
+            continue
+        if config.zero in (1, 2) and ranks > 1:
+            layout = zero_layout(tuple(tensors), ranks, gbytes, backend == "gloo")
+            states["parameters"] += layout.padded * pbytes
+            states["gradients"] += (sum(tensors) if config.zero == 1 else layout.owned) * gbytes
+            states["optimizer"] += layout.owned * k
+            # the flat buffers, a reduce-scatter's [chunk] outputs, and at stage 2 the last bucket's
+            # gradients that are dropped only once its flat copy is made
+            states["reductions"] += (layout.padded + (sum(layout.chunks) if backend != "gloo" else 0)
+                                     + (layout.unowned_last if config.zero == 2 else 0)) * gbytes
+            continue
+        for kind, nbytes in zero_bytes(sum(tensors), ranks, config.zero, k, pbytes, gbytes).items():
+            states[kind] += nbytes
     held = in_flight(config)[stage]
     layers_per_chunk = model.layers // (config.pp * config.v)
     per_layer = layer_activation_bytes(model, config)
     activations = held * (layers_per_chunk * per_layer + stage_extra_bytes(model, config, stage))
     transient = 0.0
-    if config.checkpointing == "full":  # one layer recomputed in full during backward
-        transient += layer_activation_bytes(model, replace(config, checkpointing="none"))
+    if config.checkpointing == "full":  # during a backward, with the gradients there: see recompute_bytes
+        transient += recompute_bytes(model, config) + per_layer * layers_per_chunk
     if config.zero == 3:  # one unit (a layer) gathered, its full gradients, and their flat copy for the reduce-scatter
         transient += 3 * sum(layer_params(model, config.tp, config.ep)) * pbytes
     if config.ddp_buckets and config.zero == 0:  # the buckets hold a second copy of the gradients
@@ -187,4 +275,3 @@ def memory(model: Model, cluster: Cluster | None, config: Config, stage: int | N
     if cluster is not None:
         result.fits = result.peak <= cluster.memory
     return result
-

@@ -10,12 +10,13 @@ simulator running the schedule with those times. Every figure is a model.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 from parakit.context_parallel import ring_bytes_per_rank
 from parakit.pipeline import build_schedule, simulate
-from parakit.plan.memory import PlanError, stage_params
+from parakit.plan.memory import PlanError, stage_tensors, zero_layout
 from parakit.plan.spec import DTYPES, Cluster, Config, Model, problems
 from parakit.zero.paper import zero_comm_bytes
 
@@ -81,7 +82,8 @@ def link(cluster: Cluster, config: Config, group: str, size: int) -> tuple[float
 
 def traffic(model: Model, config: Config, stage: int = 0, backend: str = "nccl") -> list[Traffic]:
     """What pipeline rank `stage` sends in one step, call by call. backend="gloo" models
-    gloo's reduce-scatter, which writes twice the ring's bytes (see `parakit.comm`)."""
+    gloo's reduce-scatter, which writes twice the ring's bytes (see `parakit.comm`), and
+    ZeRO-1/2 as parakit's ShardedOptimizer runs there (see `_zero_traffic`)."""
     act = DTYPES[config.dtype][3]
     b, s, h, t, m = config.microbatch, model.seq // config.cp, model.hidden, config.tp, config.microbatches
     layers = model.layers // config.pp
@@ -98,9 +100,9 @@ def traffic(model: Model, config: Config, stage: int = 0, backend: str = "nccl")
         per_layer = ring_bytes_per_rank(shape, config.cp, act, backward=True)
         message = 2 * b * s * h // t * act
         out.append(Traffic("cp", "send", message, round(per_layer / message) * layers * m, config.cp, "attention"))
-    if config.ep > 1 and model.experts > 1:  # dispatch and combine, forward and backward
-        out.append(Traffic("ep", "all_to_all", b * s * model.top_k * h * act / (t if config.sp else 1),
-                           4 * layers * m, config.ep))
+    if config.ep > 1 and model.experts > 1:  # dispatch and combine, forward and backward; the counts first (int64)
+        out += [Traffic("ep", "all_to_all", b * s * model.top_k * h * act / (t if config.sp else 1), 4 * layers * m, config.ep),
+                Traffic("ep", "all_to_all", 8 * model.experts, layers * m, config.ep)]
     if config.pp > 1:
         v, p = config.v, config.pp
         message = b * s * h * act / (t if config.sp else 1)
@@ -110,21 +112,30 @@ def traffic(model: Model, config: Config, stage: int = 0, backend: str = "nccl")
         out.append(Traffic("pp", "send", message, (fwd + bwd) * m, p, "pipeline"))
     shards = config.dp * config.cp
     if shards > 1:
-        dense, expert = stage_params(model, config, stage)
         grad = DTYPES[config.dtype][1]
-        for count, n in ((dense, shards), (expert, shards // config.ep)):
-            if count and n > 1:
-                out += _zero_traffic(count, n, config.zero, grad, m, backend)
+        for tensors, n in zip(stage_tensors(model, config, stage), (shards, shards // config.ep)):
+            if tensors and n > 1:
+                out += _zero_traffic(tensors, n, config.zero, grad, m, backend)
     return out
 
 
-def _zero_traffic(psi: int, n: int, stage: int, element: int, m: int, backend: str) -> list[Traffic]:
-    """The data-parallel traffic of `psi` parameters on n ranks, by the ZeRO paper (2 Psi for
-    stages 0-2, 3 Psi for stage 3, `zero.paper.zero_comm_bytes`); at stage 3 every further
-    micro-batch gathers the parameters twice more."""
-    sent = zero_comm_bytes(psi, n, stage, element)
-    if stage < 3:
+def _zero_traffic(tensors: list[int], n: int, stage: int, element: int, m: int, backend: str) -> list[Traffic]:
+    """The data-parallel traffic of parameters of these sizes on n ranks. Stage 0: one
+    all-reduce, 2 Psi (n-1)/n (`zero.paper.zero_comm_bytes`). Stages 1-2 by buckets
+    (`plan.memory.zero_layout`): each bucket's [n x chunk] gradients reduce-scattered from
+    backward and its updated segments all-gathered after the step, the paper's 2 Psi (n-1)/n
+    on NCCL; on gloo parakit all-reduces the bucket instead (2 (n-1) chunk) and lays it out by
+    owners, padded. Stage 3: 3 Psi, and every further micro-batch gathers the parameters twice more."""
+    psi = sum(tensors)
+    if stage == 0:
+        sent = zero_comm_bytes(psi, n, stage, element)
         return [Traffic("dp", "all_reduce", sent / _FACTOR["all_reduce"](n), 1, n, "backward")]
+    if stage < 3:
+        layout = zero_layout(tuple(tensors), n, element, backend == "gloo")
+        reduce = "all_reduce" if backend == "gloo" else "reduce_scatter"
+        sizes = Counter(n * chunk * element for chunk in layout.chunks)
+        return [Traffic("dp", op, nbytes, count, n, overlap) for nbytes, count in sorted(sizes.items())
+                for op, overlap in ((reduce, "backward"), ("all_gather", ""))]
     gather = psi * element
     scatter = Traffic("dp", "reduce_scatter", gather * (2 if backend == "gloo" else 1), 1, n, "backward")
     return [Traffic("dp", "all_gather", gather, 2 * m, n, "forward"), scatter]
