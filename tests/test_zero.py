@@ -177,11 +177,12 @@ def test_state_dict_is_the_unsharded_one_and_loads_at_another_world_size(grouped
 
 # ---------------------------------------------------------------- ZeRO-3
 
-def train_fsdp(seed, optimizer, compute_dtype=None):
+def train_fsdp(seed, optimizer, compute_dtype=None, collective=None):
     """Train; return the full parameters, the dtypes of the shards, of their gradients and of the output, and the
-    bytes all-gathered."""
+    bytes all-gathered (and, where `collective` is named, the calls of each op)."""
     net = TiedNet(seed)
-    model = zero.FullyShardedDataParallel(net, units=net.units(), compute_dtype=compute_dtype)
+    model = zero.FullyShardedDataParallel(net, units=net.units(), compute_dtype=compute_dtype,
+                                          gradient_collective=collective)
     cls, kwargs = OPTIMIZERS[optimizer]
     opt = cls(model.parameters(), **kwargs)
     with comm.CommLog() as log:
@@ -194,6 +195,8 @@ def train_fsdp(seed, optimizer, compute_dtype=None):
             opt.step()
             opt.zero_grad()
     dtypes = {"shards": {s.dtype for s in model.shards}, "gradients": grads, "output": out.dtype}
+    if collective is not None:
+        return model.gather_full_params(), {op: int(row["count"]) for op, row in log.summary().items()}
     return model.gather_full_params(), dtypes, log.nbytes("all_gather_single")
 
 
@@ -208,6 +211,18 @@ def test_fsdp_trains_like_one_process(optimizer, world_size):
         assert list(full) == list(expected)  # every name of the wrapped module, the tied and the frozen ones too
         torch.testing.assert_close(full, expected)
         assert dtypes == {**FP32, "output": torch.float32}
+
+
+def test_fsdp_reduces_by_reduce_scatter_or_all_reduce_to_the_same_parameters():
+    """gloo's default is an all-reduce of each unit's gradients (its reduce-scatter is one, of a copy); the
+    reduce-scatter gives the same sums: the same parameters to the last bit, one reduction per unit and step."""
+    seed = int(torch.randint(0, 2**30, ()))
+    (scattered, calls), (reduced, calls_all_reduce) = [parakit.launch(train_fsdp, seed, "adamw", None, c, world_size=2)[0]
+                                                        for c in ("reduce_scatter", "all_reduce")]
+    torch.testing.assert_close(scattered, reduced, rtol=0, atol=0)
+    units = 4  # the root (the tied weight), inp, back (its bias), out; hidden has only its frozen bias left
+    assert calls["reduce_scatter_single"] == calls_all_reduce["all_reduce"] == units * STEPS
+    assert "all_reduce" not in calls and "reduce_scatter_single" not in calls_all_reduce
 
 
 # Three SGD steps computed in 16 bits against fp32: bf16 keeps 8 significant bits, fp16 11, so 1/8 of the tolerance
@@ -348,7 +363,7 @@ def expected_bytes(stage: int, n: int, rank: int) -> dict:
         chunks = [-(-u // n) for u in UNITS]  # padded to N * chunk; gathered in forward; again in backward but the
         # first layer, whose weight backward does not need (its input needs no gradient)
         sent = sum(comm.ring_bytes("all_gather_single", 4 * c, n) for c in chunks + chunks[1:])
-        sent += sum(comm.ring_bytes("reduce_scatter_single", 4 * n * c, n) for c in chunks)
+        sent += sum(comm.ring_bytes("all_reduce", 4 * n * c, n) for c in chunks)  # gloo: all-reduced, see FSDP
         return {"rest": {"parameters": 4 * sum(chunks), "gradients": 4 * sum(chunks),
                          "optimizer": sum(8 * c + 4 for c in chunks)},
                 "peak_parameters": 4 * sum(chunks) + 4 * n * max(a + b for a, b in zip(chunks, chunks[1:])),

@@ -6,6 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parakit.groups import broadcast_from_first
+from parakit.zero.optimizer import gradient_collective_for
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -84,13 +85,17 @@ class FullyShardedDataParallel(nn.Module):
     parameters and of the floating inputs; shards and gradients stay in fp32.
 
     Prefetching (`prefetch=True`): as a unit is gathered, the all-gather of the next one starts
-    (in forward, the order of the last forward; in backward, the reverse order in which units
-    saved parameters for it), so that it travels while this one computes. The traffic is the
+    (in forward, the order of the last forward; in backward, as a unit's gradients go, the unit
+    that saved parameters for backward before it), so that it travels while the next computes. The traffic is the
     same; a rank holds two gathered units at once instead of one.
+
+    `gradient_collective`: how a unit's gradients are reduced, "reduce_scatter" (the default on
+    NCCL) or "all_reduce" (the default on gloo, whose reduce-scatter is an all-reduce of a copy:
+    see `zero.optimizer.gradient_collective_for`); each rank keeps its shard's segment.
     """
 
     def __init__(self, module: nn.Module, units=(), compute_dtype: torch.dtype | None = None, group=None,
-                 prefetch: bool = True):
+                 prefetch: bool = True, gradient_collective: str | None = None):
         super().__init__()
         if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
             raise TypeError(f"compute_dtype must be a floating-point torch.dtype such as torch.bfloat16 or "
@@ -99,6 +104,7 @@ class FullyShardedDataParallel(nn.Module):
         self._order, self._gathered = [], []  # units in the order the last forward gathered them / this one does
         self._saved = []  # units in the order this forward first saved a tensor of them for backward
         self.world_size = dist.get_world_size(group)
+        self.gradient_collective = gradient_collective_for(group, gradient_collective)
         broadcast_from_first([*module.parameters(), *module.buffers()], group)
         self.names = {}  # original name -> (unit index, parameter index), or None where frozen
         self.units = self._build_units([module, *units])
@@ -175,38 +181,45 @@ class FullyShardedDataParallel(nn.Module):
             self._saved.append(unit)
         return unit, tensor
 
-    def _unpack(self, packed):
-        """Backward needs a saved view of a unit: gather it (again), and prefetch the unit that
-        saved tensors before it, unless its gradients went already."""
+    @staticmethod
+    def _unpack(packed):
+        """Backward needs a saved view of a unit: gather it (again) unless it is there (or on its way)."""
         if not isinstance(packed, tuple):
             return packed
-        unit, tensor = packed
-        unit.gather()
-        at = next(i for i, u in enumerate(self._saved) if u is unit)
-        if self.prefetch and at > 0 and not self._saved[at - 1].reduced:
-            self._saved[at - 1].gather(wait=False)
-        return tensor
+        packed[0].gather()
+        return packed[1]
 
     def _reduce_scatter(self, unit: _Unit, grads) -> None:
-        """Free the unit's full buffer and start reduce-scattering its gradients (fp32, padded:
-        each rank sends (N-1)/N of N * chunk * 4 bytes); one reduce-scatter in flight at a time."""
+        """Free the unit's full buffer and start reducing its gradients (fp32, padded: a
+        reduce-scatter sends (N-1)/N of N * chunk * 4 bytes, an all-reduce twice that); one
+        reduction in flight at a time."""
         self.finish_gradient_synchronization()
+        unit.free()  # its backward is done: the parameters go before the gradients' flat copy comes
+        unit.reduced = True
         flat = torch.zeros(self.world_size * unit.chunk, dtype=unit.shard.dtype, device=unit.shard.device)
         for grad, a, b in zip(grads, unit.offsets, unit.offsets[1:]):
             if grad is not None:
                 flat[a:b] = grad.reshape(-1)  # [numel] into [N * chunk], cast to fp32
-        unit.free()
-        unit.reduced = True
-        out = torch.empty_like(unit.shard)  # [chunk]
-        self._pending = unit, flat, out, dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
+        if self.gradient_collective == "all_reduce":
+            rank = dist.get_rank(self.group)
+            out, work = flat[rank * unit.chunk:(rank + 1) * unit.chunk], dist.all_reduce(flat, group=self.group,
+                                                                                        async_op=True)
+        else:
+            out = torch.empty_like(unit.shard)  # [chunk]
+            work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
+        self._pending = unit, flat, out, work
+        saved = [i for i, u in enumerate(self._saved) if u is unit]
+        if self.prefetch and saved and saved[0] > 0 and not self._saved[saved[0] - 1].reduced:
+            self._saved[saved[0] - 1].gather(wait=False)  # the unit whose backward comes next
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for the last reduce-scatter and add its average into the shard's `.grad`."""
         if self._pending is None:
             return
-        unit, _, out, work = self._pending
+        unit, flat, out, work = self._pending
         work.wait()
-        out.div_(self.world_size)
+        out = out.div(self.world_size)  # [chunk], out of the flat buffer
+        flat.untyped_storage().resize_(0)  # freed now, not whenever the backend drops its reference
         unit.shard.grad = out if unit.shard.grad is None else unit.shard.grad.add_(out)
         self._pending = None
 

@@ -11,7 +11,19 @@ from parakit.precision import unsupported_dtype
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-__all__ = ["ShardedOptimizer", "partition_parameters"]
+__all__ = ["ShardedOptimizer", "partition_parameters", "gradient_collective_for"]
+
+
+def gradient_collective_for(group, collective: str | None) -> str:
+    """The collective that reduces sharded gradients: `collective` if given, else "all_reduce"
+    on gloo and "reduce_scatter" elsewhere. gloo's reduce-scatter all-reduces a copy of the
+    whole input and keeps one segment: the same bytes as its all-reduce (measured in lesson 00),
+    plus a copy whose memory gloo's own thread frees when it likes; an all-reduce in place and
+    each rank's segment of it is the same sum without the copy."""
+    collective = collective or ("all_reduce" if dist.get_backend(group) == "gloo" else "reduce_scatter")
+    if collective not in ("reduce_scatter", "all_reduce"):
+        raise ValueError(f"gradient_collective must be 'reduce_scatter' or 'all_reduce', got {collective!r}")
+    return collective
 
 
 def partition_parameters(groups: list[list[torch.Tensor]], world_size: int) -> list[int]:
@@ -104,10 +116,7 @@ class ShardedOptimizer:
         if bucket_size_mb is not None and not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be > 0 (or None for one bucket), got {bucket_size_mb}")
         groups = _param_groups(params)
-        if gradient_collective is None:  # gloo's reduce-scatter writes as much as its all-reduce, and copies
-            gradient_collective = "all_reduce" if dist.get_backend(group) == "gloo" else "reduce_scatter"
-        if gradient_collective not in ("reduce_scatter", "all_reduce"):
-            raise ValueError(f"gradient_collective must be 'reduce_scatter' or 'all_reduce', got {gradient_collective!r}")
+        gradient_collective = gradient_collective_for(group, gradient_collective)
         self.group, self.stage, self.optimizer_cls = group, stage, optimizer_cls
         if compute_dtype is not None and compute_dtype not in LOW_PRECISION + (torch.float32,):
             raise TypeError(f"compute_dtype must be torch.bfloat16, torch.float16 or torch.float32 (or None: the "
@@ -203,7 +212,7 @@ class ShardedOptimizer:
             self._drop_pending()
         while self._next < len(self.buckets):
             self._launch_next()
-        for bucket, _, out, work in self._pending:
+        for bucket, flat, out, work in self._pending:
             try:
                 work.wait()
             except RuntimeError as error:  # gloo checks the dtype when the reduction runs
@@ -221,6 +230,7 @@ class ShardedOptimizer:
                     p.grad = average.to(p.dtype, copy=True)
                 if id(p) in self._master and p.grad is not None:
                     self._master[id(p)].grad = average.to(torch.float32, copy=True)
+            flat.untyped_storage().resize_(0)  # freed now, not whenever the backend drops its reference
         self._drop_pending()
         self._synchronized = True
 
