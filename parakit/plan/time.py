@@ -125,7 +125,8 @@ def _zero_traffic(tensors: list[int], n: int, stage: int, element: int, m: int, 
     (`plan.memory.zero_layout`): each bucket's [n x chunk] gradients reduce-scattered from
     backward and its updated segments all-gathered after the step, the paper's 2 Psi (n-1)/n
     on NCCL; on gloo parakit all-reduces the bucket instead (2 (n-1) chunk) and lays it out by
-    owners, padded. Stage 3: 3 Psi, and every further micro-batch gathers the parameters twice more."""
+    owners, padded. Stage 3: 3 Psi (on gloo the reduction is an all-reduce: 4 Psi), and every further
+    micro-batch gathers the parameters twice more."""
     psi = sum(tensors)
     if stage == 0:
         sent = zero_comm_bytes(psi, n, stage, element)
@@ -137,7 +138,8 @@ def _zero_traffic(tensors: list[int], n: int, stage: int, element: int, m: int, 
         return [Traffic("dp", op, nbytes, count, n, overlap) for nbytes, count in sorted(sizes.items())
                 for op, overlap in ((reduce, "backward"), ("all_gather", ""))]
     gather = psi * element
-    scatter = Traffic("dp", "reduce_scatter", gather * (2 if backend == "gloo" else 1), 1, n, "backward")
+    reduce = "all_reduce" if backend == "gloo" else "reduce_scatter"  # as zero.FullyShardedDataParallel chooses
+    scatter = Traffic("dp", reduce, gather, 1, n, "backward")
     return [Traffic("dp", "all_gather", gather, 2 * m, n, "forward"), scatter]
 
 
