@@ -447,7 +447,8 @@ def bucketed_calls(bucket_size_mb, collective):
 
 @pytest.mark.parametrize("collective", ["reduce_scatter", "all_reduce"])
 def test_zero1_sends_one_reduction_per_bucket_during_backward_and_equals_one_process(collective):
-    """Buckets of 10 KB: the parameters in reverse order, a bucket closed before it passes the cap."""
+    """Buckets of 10 KB: the parameters in reverse order, a bucket closed once past the cap where its two
+    owners' segments are even (the longer at most a quarter more than half): 1575 + 2583, then 1927 + 47 + 3008."""
     n = 2
     results = parakit.launch(bucketed_calls, 0.01, collective, world_size=n)
     model, (x, y) = layers()
@@ -456,9 +457,26 @@ def test_zero1_sends_one_reduction_per_bucket_during_backward_and_equals_one_pro
     opt.step()
     op = "reduce_scatter_single" if collective == "reduce_scatter" else "all_reduce"
     for backward, step, buckets, state in results:
-        assert buckets == [[1575], [2583], [1927, 47], [3008]]
-        assert backward == [op] * 4 and step == ["all_gather_single"] * 4
+        assert buckets == [[1575, 2583], [1927, 47, 3008]]
+        assert backward == [op] * 2 and step == ["all_gather_single"] * 2
         torch.testing.assert_close(state, model.state_dict())
+
+
+def test_a_parameter_larger_than_the_bucket_shares_it_instead_of_padding_n_times_itself():
+    """A GPU-scale shape on 8 ranks, no process needed: an embedding of 64 M elements (more than the 25 MiB cap
+    by itself) and 32 layers of 7 matrices. Each bucket's owners' segments, padded to the longest, add at most a
+    quarter; the buffers hold under 1.25 Psi, where one owner's segment per bucket would hold about 8 Psi."""
+    n = 8
+    sizes = [64_000_000] + [4096 * 1024] * 4 * 32 + [4096 * 2752] * 3 * 32
+    params = [torch.empty(s, dtype=torch.bfloat16, device="meta") for s in sizes]
+    buckets = zero.optimizer.owner_buckets([params], n, 25.0)
+    padded = 0
+    for ps, owners in buckets:
+        used = [sum(p.numel() for p, o in zip(ps, owners) if o == r) for r in range(n)]
+        assert 4 * (n * max(used) - sum(used)) <= sum(used)
+        padded += n * max(used)
+    assert sorted(p.numel() for ps, _ in buckets for p in ps) == sorted(sizes) and len(buckets) > 1
+    assert padded < 1.25 * sum(sizes)
 
 
 def test_the_issue_bars_at_four_ranks():

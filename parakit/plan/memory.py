@@ -11,11 +11,10 @@ from functools import lru_cache
 
 import torch
 
-from parakit.ddp import assign_buckets
 from parakit.pipeline import build_schedule, simulate
 from parakit.plan.spec import DTYPES, Cluster, Config, Model, problems
 from parakit.sequence_parallel import paper_activation_bytes
-from parakit.zero.optimizer import partition_parameters
+from parakit.zero.optimizer import owner_buckets
 from parakit.zero.paper import zero_bytes
 
 __all__ = ["Memory", "PlanError", "ZeroLayout", "layer_tensors", "layer_params", "stage_tensors", "stage_params",
@@ -127,21 +126,20 @@ class ZeroLayout:
 
 @lru_cache(maxsize=1024)
 def zero_layout(numels: tuple[int, ...], ranks: int, element: int, owners: bool) -> ZeroLayout:
-    """The buckets of parameters of these sizes (module order, `element` bytes each): by
-    `ddp.assign_buckets` (BUCKET_MB MiB, reverse order), run on meta tensors. `owners`:
-    parakit's layout, each parameter whole to the owner `zero.partition_parameters` gives it;
-    else the paper's, 1/ranks of every bucket to each rank (a flat partition, as DeepSpeed's).
-    Owners pad little where a bucket holds many parameters (5% for the tiny model on 4 ranks);
-    a bucket of one large parameter, as most are at GPU scale, pads to ranks times it."""
+    """The buckets of parameters of these sizes (module order, `element` bytes each), as
+    ShardedOptimizer makes them (`zero.optimizer.owner_buckets`, BUCKET_MB MiB, reverse order,
+    closed where the owners' segments are even), run on meta tensors. `owners`: parakit's
+    layout, each parameter whole to one owner, each rank's segment padded to the longest (at most a quarter of a bucket; 5% for the tiny model on 4
+    ranks); else the paper's, 1/ranks of every bucket to each rank (a flat partition, as
+    DeepSpeed's)."""
     params = [torch.empty(n, dtype=_DTYPE[element], device="meta") for n in numels]
-    buckets = assign_buckets(params, BUCKET_MB)
+    buckets = owner_buckets([params], ranks, BUCKET_MB)
     if owners:
-        owner = dict(zip(map(id, params), partition_parameters([params], ranks)))
-        used = [[sum(p.numel() for p in b if owner[id(p)] == r) for r in range(ranks)] for b in buckets]
+        used = [[sum(p.numel() for p, o in zip(ps, os) if o == r) for r in range(ranks)] for ps, os in buckets]
     else:
-        used = [[-(-sum(p.numel() for p in b) // ranks)] * ranks for b in buckets]
+        used = [[-(-sum(p.numel() for p in ps) // ranks)] * ranks for ps, _ in buckets]
     mine = max(range(ranks), key=lambda r: sum(u[r] for u in used))
-    last = sum(p.numel() for p in buckets[-1])
+    last = sum(p.numel() for p in buckets[-1][0])
     return ZeroLayout(ranks, tuple(max(u) for u in used), sum(u[mine] for u in used), last - used[-1][mine])
 
 

@@ -6,12 +6,11 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from parakit.ddp import assign_buckets
 from parakit.precision import unsupported_dtype
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-__all__ = ["ShardedOptimizer", "partition_parameters", "gradient_collective_for"]
+__all__ = ["ShardedOptimizer", "partition_parameters", "owner_buckets", "gradient_collective_for"]
 
 
 def gradient_collective_for(group, collective: str | None) -> str:
@@ -37,6 +36,49 @@ def partition_parameters(groups: list[list[torch.Tensor]], world_size: int) -> l
             sizes[mine[i]] += params[i].numel()
         owners += mine
     return owners
+
+
+def owner_buckets(groups: list[list[torch.Tensor]], world_size: int,
+                  bucket_size_mb: float | None) -> list[tuple[list[torch.Tensor], list[int]]]:
+    """The parameters of `groups` (param groups, module order) in buckets, each with its
+    parameters' owners (frozen ones too: they are owned, as ZeroRedundancyOptimizer owns them): in reverse order (as backward produces their gradients), a bucket
+    closes once it holds `bucket_size_mb` MiB (None: no cap) and its owners' segments are even
+    (padding each to the longest adds at most a quarter), or where the dtype changes; the last
+    buckets are merged into the ones before while they pad more. Within a bucket the owners
+    are `partition_parameters`'s (largest first, to the emptiest rank), so with one bucket they
+    are ZeroRedundancyOptimizer's; a parameter larger than the cap shares its bucket with
+    other ranks' parameters instead of padding to N times itself."""
+    cap = float("inf") if bucket_size_mb is None else bucket_size_mb * 2**20
+    order = [(g, p) for g, params in enumerate(groups) for p in params]  # module order
+
+    def owners(bucket: list[int]) -> dict[int, int]:
+        by_group = [[i for i in sorted(bucket) if order[i][0] == g] for g in range(len(groups))]
+        mine = partition_parameters([[order[i][1] for i in ids] for ids in by_group], world_size)
+        return dict(zip([i for ids in by_group for i in ids], mine))
+
+    def even(bucket: list[int]) -> bool:
+        sizes = [0] * world_size
+        for i, owner in owners(bucket).items():
+            sizes[owner] += order[i][1].numel()
+        return 4 * (world_size * max(sizes) - sum(sizes)) <= sum(sizes)
+
+    buckets, closed, nbytes = [], True, 0
+    for i in reversed(range(len(order))):
+        param = order[i][1]
+        if closed or param.dtype != order[buckets[-1][0]][1].dtype:
+            buckets.append([])
+            nbytes = 0
+        buckets[-1].append(i)
+        nbytes += param.numel() * param.element_size()
+        closed = nbytes >= cap and even(buckets[-1])
+    while len(buckets) > 1 and order[buckets[-1][0]][1].dtype == order[buckets[-2][0]][1].dtype and not even(buckets[-1]):
+        last = buckets.pop()
+        buckets[-1] += last
+    result = []
+    for bucket in buckets:
+        owner = owners(bucket)
+        result.append(([order[i][1] for i in bucket], [owner[i] for i in bucket]))
+    return result
 
 
 class _OwnerBucket:
@@ -82,8 +124,9 @@ class ShardedOptimizer:
     parameters. Each rank keeps the state of its parameters only; `state_dict()` gathers the
     whole state, as `optimizer_cls` would save it.
 
-    Communication goes by buckets of `bucket_size_mb` (parameters in reverse order, as
-    BucketedDDP; None: one bucket), each laid out by owner (`_OwnerBucket`). A bucket's
+    Communication goes by buckets of at least `bucket_size_mb` (parameters in reverse order, as
+    BucketedDDP, closed where the owners' segments are even: `owner_buckets`; None: one bucket),
+    each laid out by owner (`_OwnerBucket`). A bucket's
     gradients are reduce-scattered as soon as backward has accumulated its last one
     (asynchronously, overlapping the rest of backward; at stage 2 the other ranks' gradients
     are dropped then); `step()` waits for them, steps this rank's parameters and all-gathers
@@ -127,7 +170,9 @@ class ShardedOptimizer:
         self.gradient_collective, self.reduce_dtype = gradient_collective, reduce_dtype
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.params = [p for g in groups for p in g["params"]]
-        self.owners = partition_parameters([g["params"] for g in groups], self.world_size)
+        buckets = owner_buckets([g["params"] for g in groups], self.world_size, bucket_size_mb)
+        owner = {id(p): o for ps, os in buckets for p, o in zip(ps, os)}
+        self.owners = [owner[id(p)] for p in self.params]
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._master = {id(p): p.detach().to(torch.float32, copy=True) for p in self.params  # the owned ones, in fp32
                         if (compute_dtype or p.dtype) in LOW_PRECISION and p.requires_grad and self._owner_of(p) == self.rank}
@@ -139,8 +184,9 @@ class ShardedOptimizer:
         self._warned_fp16 = False
         self.param_groups = [{**local, "params": g["params"]} for local, g in zip(self.optimizer.param_groups, groups)]
         trainable = [p for p in self.params if p.requires_grad]
-        self.buckets = [_OwnerBucket(ps, [self._owner_of(p) for p in ps], self.world_size, compute_dtype)
-                        for ps in assign_buckets(trainable, bucket_size_mb)]
+        buckets = [[(p, o) for p, o in zip(ps, os) if p.requires_grad] for ps, os in buckets]  # frozen: never sent
+        self.buckets = [_OwnerBucket([p for p, _ in b], [o for _, o in b], self.world_size, compute_dtype)
+                        for b in buckets if b]
         self._place = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
         self._ready = [set() for _ in self.buckets]  # ids of each bucket's parameters accumulated since the last step
         self._next = 0  # the next bucket to launch: in order, the same on every rank
