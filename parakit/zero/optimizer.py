@@ -331,9 +331,13 @@ class ShardedOptimizer:
 
     def state_dict(self) -> dict:
         """The whole state, indexed as `optimizer_cls(params).state_dict()` would be, on every
-        rank: each rank sends its parameters' state to all others (all_gather_object)."""
-        local = self.optimizer.state_dict()["state"]
-        to_global = [self._index[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+        rank: each rank sends its parameters' state to all others (all_gather_object). In mixed
+        precision each parameter's entry also holds its fp32 master ("master")."""
+        inner = [p for g in self.optimizer.param_groups for p in g["params"]]
+        masters = {id(m) for m in self._master.values()}
+        local = {k: {**s, "master": inner[k].detach().clone()} if id(inner[k]) in masters else s
+                 for k, s in self.optimizer.state_dict()["state"].items()}
+        to_global = [self._index[id(p)] for p in inner]
         shards = [None] * self.world_size
         dist.all_gather_object(shards, {to_global[k]: s for k, s in local.items()}, group=self.group)
         state = {i: s for shard in shards for i, s in shard.items()}
@@ -345,7 +349,9 @@ class ShardedOptimizer:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a whole state (from `state_dict()` at any world size, or from the unsharded
-        optimizer): each rank keeps its own parameters' part."""
+        optimizer): each rank keeps its own parameters' part. In mixed precision the fp32 masters
+        come from the saved ones ("master"), or else from the parameters as they are now (load the
+        model's state first), and are rounded into the parameters."""
         sizes = [len(g["params"]) for g in state_dict["param_groups"]]
         if sizes != [len(g["params"]) for g in self.param_groups]:
             raise ValueError(f"the state dict has param groups of {sizes} parameters but this optimizer has "
@@ -356,8 +362,16 @@ class ShardedOptimizer:
         for saved_group, local in zip(state_dict["param_groups"], self.optimizer.param_groups):
             groups.append({**saved_group, "params": list(range(start, start + len(local["params"])))})
             start += len(local["params"])
-        self.optimizer.load_state_dict({"state": {k: state_dict["state"][i] for k, i in enumerate(to_saved)
-                                                  if i in state_dict["state"]}, "param_groups": groups})
+        entries = {k: dict(state_dict["state"][i]) for k, i in enumerate(to_saved) if i in state_dict["state"]}
+        inner = [p for g in self.optimizer.param_groups for p in g["params"]]
+        with torch.no_grad():
+            for p in self.params:
+                master = self._master.get(id(p))
+                if master is not None:
+                    saved = entries.get(next(k for k, q in enumerate(inner) if q is master), {}).pop("master", None)
+                    master.copy_(p if saved is None else saved)
+                    p.copy_(master)
+        self.optimizer.load_state_dict({"state": entries, "param_groups": groups})
         for full, saved_group in zip(self.param_groups, state_dict["param_groups"]):
             full.update({k: v for k, v in saved_group.items() if k != "params"})
 
