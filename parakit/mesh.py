@@ -10,6 +10,11 @@ replicas outermost (they talk least: once per step). Three kinds of groups:
 
 The same code runs under parakit.launch and under torchrun on several nodes: the mesh only
 needs an initialised default process group.
+
+A fourth size, cp (context parallelism), sits between pp and tp when asked for: rank
+r = ((d * pp + p) * cp + c) * tp + t, the cp group (fixed d, p, t) passes K and V around
+its ring inside every attention, and the replicas that average gradients are then the
+dp x cp group (fixed p, t): each cp rank's gradients cover its tokens only.
 """
 from __future__ import annotations
 
@@ -22,11 +27,12 @@ __all__ = ["mesh_coords", "mesh_rank", "mesh_groups", "Mesh"]
 KINDS = ("dp", "pp", "tp")
 
 
-def _check_sizes(dp: int, pp: int, tp: int, world_size: int | None = None) -> None:
-    if min(dp, pp, tp) < 1:
-        raise ValueError(f"mesh sizes must be at least 1, got dp={dp}, pp={pp}, tp={tp}")
-    if world_size is not None and dp * pp * tp != world_size:
-        raise ValueError(f"mesh dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp} ranks, but the world has "
+def _check_sizes(dp: int, pp: int, tp: int, world_size: int | None = None, cp: int = 1) -> None:
+    named = [f"dp={dp}", f"pp={pp}", f"tp={tp}"] + ([f"cp={cp}"] if cp != 1 else [])
+    if min(dp, pp, tp, cp) < 1:
+        raise ValueError(f"mesh sizes must be at least 1, got {', '.join(named)}")
+    if world_size is not None and dp * pp * tp * cp != world_size:
+        raise ValueError(f"mesh {' x '.join(named)} = {dp * pp * tp * cp} ranks, but the world has "
                          f"{world_size}: choose sizes whose product is {world_size}")
 
 
@@ -48,23 +54,30 @@ def mesh_groups(dp: int, pp: int, tp: int) -> dict[str, list[list[int]]]:
 
 
 class Mesh:
-    """This rank's place on a dp x pp x tp mesh and its three process groups.
+    """This rank's place on a dp x pp x tp mesh (or dp x pp x cp x tp) and its process groups.
 
     Every rank of the world builds the Mesh together (`dist.new_group` is collective).
-    Attributes: sizes `dp`, `pp`, `tp`; coordinates `dp_rank`, `pp_rank`, `tp_rank`;
-    groups `dp_group`, `pp_group`, `tp_group`; `ranks[kind]`, the global ranks of this
-    rank's group of that kind.
+    Attributes: sizes `dp`, `pp`, `tp`, `cp`; coordinates `dp_rank`, `pp_rank`, `tp_rank`,
+    `cp_rank`; groups `dp_group`, `pp_group`, `tp_group`, and `replica_group`, the ranks
+    that average gradients (the dp group; dp x cp with cp > 1); with cp > 1 also `cp_group`
+    (None without: no context parallelism); `ranks[kind]`, the global ranks of this rank's
+    group of that kind.
     """
 
-    def __init__(self, dp: int, pp: int, tp: int):
-        _check_sizes(dp, pp, tp, dist.get_world_size())
-        self.dp, self.pp, self.tp = dp, pp, tp
+    def __init__(self, dp: int, pp: int, tp: int, cp: int = 1):
+        _check_sizes(dp, pp, tp, dist.get_world_size(), cp)
+        self.dp, self.pp, self.tp, self.cp = dp, pp, tp, cp
         self.rank = dist.get_rank()
-        self.dp_rank, self.pp_rank, self.tp_rank = mesh_coords(self.rank, dp, pp, tp)
+        sizes = (dp, pp, cp, tp)
+        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = grid_coords(self.rank, sizes)
+        axes = {"dp": [0], "pp": [1], "tp": [3], **({"cp": [2], "replica": [0, 2]} if cp > 1 else {})}
         self.ranks: dict[str, list[int]] = {}
-        for kind, lists in mesh_groups(dp, pp, tp).items():
-            group, self.ranks[kind] = new_subgroups(lists)
+        self.cp_group = None  # made below when cp > 1
+        for kind, along in axes.items():
+            group, self.ranks[kind] = new_subgroups(grid_groups(sizes, along))
             setattr(self, f"{kind}_group", group)
+        if cp == 1:
+            self.replica_group, self.ranks["replica"] = self.dp_group, self.ranks["dp"]
 
     @property
     def is_first_stage(self) -> bool:
@@ -75,5 +88,7 @@ class Mesh:
         return self.pp_rank == self.pp - 1
 
     def __repr__(self) -> str:
-        return (f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}; rank {self.rank} at d={self.dp_rank}, "
-                f"p={self.pp_rank}, t={self.tp_rank})")
+        cp = f", cp={self.cp}" if self.cp > 1 else ""
+        at = f", c={self.cp_rank}" if self.cp > 1 else ""
+        return (f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}{cp}; rank {self.rank} at d={self.dp_rank}, "
+                f"p={self.pp_rank}{at}, t={self.tp_rank})")

@@ -9,8 +9,11 @@ batch through the stages of its pp group, micro-batch by micro-batch, with activ
 their gradients sent between stages; inside every block the tp group all-reduces
 (`parakit.tensor_parallel.ParallelTransformerBlock`: heads and MLP columns split across
 it); after the last micro-batch's backward parakit's BucketedDDP all-reduces the stage
-gradients over the dp group, bucket by bucket, once per step. The model is built from one seed and sharded, so
-any mesh trains the same numbers as one process (--dp 1 --pp 1 --tp 1).
+gradients over the dp group, bucket by bucket, once per step. With --cp (context parallelism)
+each rank holds its zig-zag share of every sequence, attention passes K and V around the cp
+group (`parakit.context_parallel.ring_attention`), and the gradients are averaged over the
+dp x cp group. The model is built from one seed and sharded, so any mesh trains the same
+numbers as one process (--dp 1 --pp 1 --tp 1).
 The data is synthetic and drawn from (seed, step), so a resumed run sees the same batches.
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parakit.checkpoint import segment_sizes
+from parakit.context_parallel import shard_sequence
 from parakit.ddp import BucketedDDP
 from parakit.devices import device
 from parakit.mesh import Mesh
@@ -31,13 +35,13 @@ from parakit.pipeline import dp_pp_step, split_stages
 from parakit.tensor_parallel import ParallelTransformerBlock
 from parakit.torchrun import process_group
 
-__all__ = ["parse_args", "build_model", "train", "main"]
+__all__ = ["parse_args", "build_model", "batch_for", "local_batch", "train", "main"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m parakit.train", description=__doc__.split("\n")[0])
-    for name, default in (("dp", 1), ("pp", 1), ("tp", 1), ("steps", 5), ("batch", 16), ("seq", 16), ("vocab", 64),
-                          ("hidden", 32), ("heads", 4), ("layers", 2), ("microbatches", 2), ("seed", 0)):
+    for name, default in (("dp", 1), ("pp", 1), ("tp", 1), ("cp", 1), ("steps", 5), ("batch", 16), ("seq", 16),
+                          ("vocab", 64), ("hidden", 32), ("heads", 4), ("layers", 2), ("microbatches", 2), ("seed", 0)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="BucketedDDP's bucket size for the dp all-reduces")
@@ -50,14 +54,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class Embedding(nn.Module):
-    """Token and position embeddings, replicated on every tp rank: [batch, seq] -> [batch, seq, hidden]."""
+    """Token and position embeddings, replicated on every tp rank: [batch, seq] -> [batch, seq, hidden].
+    With a `cp_group` the tokens are this rank's zig-zag share of the sequence, [batch, seq/cp],
+    and take their positions in the whole."""
 
-    def __init__(self, vocab: int, seq: int, hidden: int):
+    def __init__(self, vocab: int, seq: int, hidden: int, cp_group=None):
         super().__init__()
         self.token, self.position = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
+        self.cp_group = cp_group
 
     def forward(self, ids):
-        return self.token(ids) + self.position(torch.arange(ids.shape[1], device=ids.device))
+        n = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
+        at = torch.arange(ids.shape[1] * n, device=ids.device)  # [seq]
+        at = at if self.cp_group is None else _cp_share(at, self.cp_group, 0)  # [seq/cp]
+        return self.token(ids) + self.position(at)
 
 
 class Head(nn.Module):
@@ -71,13 +81,16 @@ class Head(nn.Module):
         return self.out(self.norm(x))
 
 
-def build_model(args, tp_group=None) -> nn.Sequential:
+def build_model(args, tp_group=None, cp_group=None) -> nn.Sequential:
     """The model as a Sequential of layers (embedding, blocks, head) from `args.seed`. The
     blocks are tensor-parallel over `tp_group` (None: the world): each rank keeps its slice
-    of the dense weights made from the same seed, so every tp size computes the same model."""
+    of the dense weights made from the same seed, so every tp size computes the same model.
+    With a `cp_group` (None: no context parallelism) the model takes this rank's zig-zag
+    share of the sequence (`local_batch`) and attends over the whole by ring attention."""
     torch.manual_seed(args.seed)
-    layers = [Embedding(args.vocab, args.seq, args.hidden),
-              *(ParallelTransformerBlock(args.hidden, args.heads, group=tp_group) for _ in range(args.layers)),
+    layers = [Embedding(args.vocab, args.seq, args.hidden, cp_group),
+              *(ParallelTransformerBlock(args.hidden, args.heads, group=tp_group, cp_group=cp_group)
+                for _ in range(args.layers)),
               Head(args.hidden, args.vocab)]
     return nn.Sequential(*layers).to(device())
 
@@ -91,28 +104,42 @@ def batch_for(step: int, args) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1].to(device()), tokens[:, 1:].to(device())
 
 
+def _cp_share(x: torch.Tensor, cp_group, dim: int) -> torch.Tensor:
+    """This cp rank's zig-zag share of x along `dim` (no communication)."""
+    return shard_sequence(x, dist.get_world_size(cp_group), dist.get_rank(cp_group), "zigzag", dim)
+
+
+def local_batch(step: int, args, mesh: Mesh) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of `batch_for(step)`: its replica's rows, and with cp its zig-zag
+    share of the sequence (no communication): ids and targets, each [batch/dp, seq/cp]."""
+    ids, target = (t.chunk(mesh.dp)[mesh.dp_rank] for t in batch_for(step, args))  # [batch/dp, seq]
+    if mesh.cp_group is None:
+        return ids, target
+    return _cp_share(ids, mesh.cp_group, 1), _cp_share(target, mesh.cp_group, 1)  # [batch/dp, seq/cp]
+
+
 def _lm_loss(logits, target):  # [batch, seq, vocab], [batch, seq]
     return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
 def train(args) -> list[float]:
-    """Train `args.steps` steps on the mesh dp x pp x tp of the initialised world; every rank
-    returns the global mean loss of each step (one all-reduce of a float per step)."""
-    mesh = Mesh(args.dp, args.pp, args.tp)
+    """Train `args.steps` steps on the mesh dp x pp x cp x tp of the initialised world; every
+    rank returns the global mean loss of each step (one all-reduce of a float per step)."""
+    mesh = Mesh(args.dp, args.pp, args.tp, args.cp)
     if args.batch % (args.dp * args.microbatches):
         raise ValueError(f"batch {args.batch} does not split into dp {args.dp} x {args.microbatches} micro-batches: "
                          f"pick a multiple of {args.dp * args.microbatches}")
-    model = build_model(args, mesh.tp_group)
+    model = build_model(args, mesh.tp_group, mesh.cp_group)
     if len(model) < args.pp:
         raise ValueError(f"{len(model)} layers cannot fill {args.pp} pipeline stages: use --layers >= {args.pp - 2}")
     balance = segment_sizes(len(model), args.pp)  # layers per stage, as even as possible
     mine = nn.ModuleList(split_stages(model, balance)[mesh.pp_rank])
     optimizer = torch.optim.AdamW(mine.parameters(), lr=args.lr)
     first = _load(args.resume, mine, optimizer, mesh) if args.resume else 0
-    replica = BucketedDDP(mine, args.bucket_mb, process_group=mesh.dp_group)  # averages over the dp group
+    replica = BucketedDDP(mine, args.bucket_mb, process_group=mesh.replica_group)  # averages over dp (x cp)
     losses = []
     for step in range(first, first + args.steps):
-        ids, target = (t.chunk(args.dp)[mesh.dp_rank] for t in batch_for(step, args))  # [batch/dp, seq]
+        ids, target = local_batch(step, args, mesh)  # [batch/dp, seq/cp]
         optimizer.zero_grad(set_to_none=True)
         loss = dp_pp_step(model, balance, ids, target, _lm_loss, pp_group=mesh.pp_group, replica=replica,
                           schedule=args.schedule, num_microbatches=args.microbatches)
@@ -125,10 +152,15 @@ def train(args) -> list[float]:
 
 def _global_loss(loss, mesh: Mesh) -> float:
     """The mean loss over the replicas, on every rank: the last stages' losses (each tp rank
-    holds the same) summed over the world, one float."""
+    holds the same; each cp rank the mean over as many tokens) summed over the world, one float."""
     total = torch.zeros(1, device=device()) if loss is None else loss.detach().reshape(1).clone()
     dist.all_reduce(total)
-    return total.item() / (mesh.dp * mesh.tp)
+    return total.item() / (mesh.dp * mesh.tp * mesh.cp)
+
+
+def _sizes(mesh: Mesh) -> dict[str, int]:
+    """The mesh's sizes as mesh.json records them (cp only where it is more than 1)."""
+    return {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp, **({"cp": mesh.cp} if mesh.cp > 1 else {})}
 
 
 def _save(folder: Path, stage, optimizer, step: int, mesh: Mesh) -> None:
@@ -136,7 +168,7 @@ def _save(folder: Path, stage, optimizer, step: int, mesh: Mesh) -> None:
     (mesh.json); one barrier, no data sent."""
     folder.mkdir(parents=True, exist_ok=True)
     if mesh.rank == 0:
-        (folder / "mesh.json").write_text(json.dumps({"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp}))
+        (folder / "mesh.json").write_text(json.dumps(_sizes(mesh)))
     torch.save({"step": step, "model": stage.state_dict(), "optimizer": optimizer.state_dict()},
                folder / f"rank{mesh.rank}.pt")
     dist.barrier()
@@ -149,11 +181,11 @@ def _load(folder: Path, stage, optimizer, mesh: Mesh) -> int:
     if not record.exists():
         raise FileNotFoundError(f"no checkpoint in {folder} ({record.name} is missing): --resume takes a folder "
                                 f"written by --save")
-    saved, asked = json.loads(record.read_text()), {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp}
+    saved, asked = json.loads(record.read_text()), _sizes(mesh)
     if saved != asked:
-        raise ValueError("checkpoint {} was saved on the mesh dp={dp} x pp={pp} x tp={tp}".format(folder, **saved)
-                         + ", but this run asks for dp={dp} x pp={pp} x tp={tp}".format(**asked)
-                         + ": resume with --dp {dp} --pp {pp} --tp {tp}".format(**saved))
+        raise ValueError(f"checkpoint {folder} was saved on the mesh {' x '.join(f'{k}={n}' for k, n in saved.items())}"
+                         f", but this run asks for {' x '.join(f'{k}={n}' for k, n in asked.items())}"
+                         f": resume with {' '.join(f'--{k} {n}' for k, n in saved.items())}")
     state = torch.load(folder / f"rank{mesh.rank}.pt", map_location=device())
     stage.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])

@@ -76,6 +76,26 @@ def test_mesh_groups_on_four_ranks_sum_exactly_their_members(sizes):
             assert total == sum(ranks)
 
 
+def cp_mesh_sums(dp, tp, cp):
+    mesh = Mesh(dp, 1, tp, cp)
+    sums = {}
+    for kind in ("cp", "replica"):
+        x = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(x, group=getattr(mesh, f"{kind}_group"))
+        sums[kind] = (int(x), mesh.ranks[kind])
+    return (mesh.dp_rank, mesh.cp_rank, mesh.tp_rank), sums
+
+
+@pytest.mark.parametrize("dp, tp, cp, expected", [
+    (2, 1, 2, {"cp": [[0, 1], [2, 3]], "replica": [[0, 1, 2, 3]]}),
+    (1, 2, 2, {"cp": [[0, 2], [1, 3]], "replica": [[0, 2], [1, 3]]})])
+def test_cp_sits_between_pp_and_tp_and_gradients_average_over_dp_x_cp(dp, tp, cp, expected):
+    for rank, (coords, sums) in enumerate(parakit.launch(cp_mesh_sums, dp, tp, cp, world_size=4)):
+        assert coords == (rank // (cp * tp), rank // tp % cp, rank % tp)  # r = (d * cp + c) * tp + t
+        for kind, (total, ranks) in sums.items():
+            assert rank in ranks and ranks in expected[kind] and total == sum(ranks)
+
+
 def bad_mesh():
     try:
         Mesh(2, 2, 2)
@@ -157,6 +177,47 @@ def test_a_batch_that_does_not_split_across_replicas_and_microbatches_is_refused
     argv = ["--batch", "6", "--dp", "2", "--pp", "2", "--microbatches", "2"]
     assert set(parakit.launch(trainer_error, argv, world_size=4)) == {
         "batch 6 does not split into dp 2 x 2 micro-batches: pick a multiple of 4"}
+
+
+# ---------------------------------------------------------------- context parallelism in the trainer
+
+def first_step(argv):
+    """The trainer's first step on this rank, as `train` runs it: the loss averaged over the
+    world's tokens and this rank's parameter gradients after the dp x cp all-reduce."""
+    from parakit import train
+    from parakit.ddp import BucketedDDP
+    from parakit.pipeline import dp_pp_step
+    args = train.parse_args(argv)
+    mesh = Mesh(args.dp, 1, 1, args.cp)
+    model = train.build_model(args, mesh.tp_group, mesh.cp_group)
+    ids, target = train.local_batch(0, args, mesh)  # [batch/dp, seq/cp]
+    replica = BucketedDDP(model, process_group=mesh.replica_group)
+    loss = dp_pp_step(model, [len(model)], ids, target, lambda y, t: torch.nn.functional.cross_entropy(
+        y.flatten(0, 1), t.flatten()), pp_group=mesh.pp_group, replica=replica, num_microbatches=2)
+    total = loss.detach().reshape(1)
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size(), {n: p.grad for n, p in model.named_parameters()}
+
+
+CP_MESHES = {"cp2": (["--cp", "2"], 2), "dp2_cp2": (["--dp", "2", "--cp", "2"], 4),
+             "tp2_cp2": (["--tp", "2", "--cp", "2"], 4), "pp2_cp2": (["--pp", "2", "--cp", "2"], 4)}
+
+
+@pytest.mark.parametrize("mesh", ["cp2", "dp2_cp2"])
+def test_ring_attention_in_the_trainer_gives_one_process_loss_and_gradients(mesh):
+    [(loss, grads)] = parakit.launch(first_step, SMALL, world_size=1)
+    argv, world_size = CP_MESHES[mesh]
+    ranks = parakit.launch(first_step, SMALL + argv, world_size=world_size)
+    for rank_loss, rank_grads in ranks:  # each rank: its zig-zag share of the sequence, gradients averaged
+        assert rank_loss == pytest.approx(loss, rel=1e-5)
+        torch.testing.assert_close(rank_grads, grads, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh", list(CP_MESHES))
+def test_cp_trainer_matches_one_process_for_five_steps(one_process_losses, mesh):
+    argv, world_size = CP_MESHES[mesh]
+    for losses in parakit.launch(run_trainer, SMALL + argv, world_size=world_size):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one_process_losses), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend, local_world_size, gpus, nccl_built, chosen", [

@@ -130,7 +130,11 @@ MEASURED = [Config(dp=2, microbatches=2, microbatch=4, dtype="fp32", ddp_buckets
             Config(dp=2, pp=2, microbatches=2, microbatch=4, dtype="fp32", ddp_buckets=True),
             Config(dp=4, zero=3, microbatch=4, dtype="fp32"),
             Config(dp=4, zero=1, microbatch=4, dtype="fp32"),
-            Config(tp=2, pp=2, microbatches=2, microbatch=8, dtype="fp32", ddp_buckets=True, checkpointing="full")]
+            Config(tp=2, pp=2, microbatches=2, microbatch=8, dtype="fp32", ddp_buckets=True, checkpointing="full"),
+            Config(cp=2, microbatches=2, microbatch=4, dtype="fp32", ddp_buckets=True),
+            Config(dp=2, cp=2, microbatches=2, microbatch=4, dtype="fp32", ddp_buckets=True),
+            Config(tp=2, cp=2, microbatches=2, microbatch=4, dtype="fp32", ddp_buckets=True),
+            Config(cp=2, microbatches=2, microbatch=4, dtype="fp32", ddp_buckets=True, checkpointing="full")]
 
 
 @pytest.mark.parametrize("config", MEASURED, ids=str)

@@ -1,8 +1,8 @@
 """The planner against real ranks: parakit.train's tiny transformer trained one step on a
-configuration (dp x pp x tp with BucketedDDP and a pipeline schedule, or dp alone at a ZeRO
-stage, blocks checkpointed or not), measured on every rank: bytes written on the wire by
-the OS (`comm.CommLog.written_bytes`, gloo), the ring model's bytes, and the peak of live
-tensor bytes (`devices.MemoryMeter`: parameters, gradients, optimizer state and everything
+configuration (dp x pp x cp x tp with BucketedDDP and a pipeline schedule, cp by ring
+attention in the blocks, or dp alone at a ZeRO stage, blocks checkpointed or not), measured
+on every rank: bytes written on the wire by the OS (`comm.CommLog.written_bytes`, gloo), the
+ring model's bytes, and the peak of live tensor bytes (`devices.MemoryMeter`: parameters, gradients, optimizer state and everything
 the step allocates). `compare` puts the planner's predictions beside them.
 """
 from __future__ import annotations
@@ -48,24 +48,24 @@ def _lm_loss(logits, target):  # [batch, seq, vocab], [batch, seq]
 def run_config(model: Model, config: Config) -> dict:
     """On each rank (inside parakit.launch): two steps, the second measured. `config.ddp_buckets` should be True at ZeRO 0 (BucketedDDP). Returns
     {"written": OS bytes written, "wire": ring-model bytes, "peak": peak live bytes, "stage": pp rank}."""
-    from parakit.train import batch_for, build_model  # the trainer's own model and data
+    from parakit.train import build_model, local_batch  # the trainer's own model and data
     args = _args(model, config)
-    mesh = Mesh(config.dp, config.pp, config.tp)
-    net = build_model(args, mesh.tp_group)
+    mesh = Mesh(config.dp, config.pp, config.tp, config.cp)
+    net = build_model(args, mesh.tp_group, mesh.cp_group)
     if config.checkpointing == "full":
         net = nn.Sequential(net[0], *(Checkpointed(block) for block in net[1:-1]), net[-1])
     balance = segment_sizes(len(net), config.pp)
     mine = nn.ModuleList(split_stages(net, balance)[mesh.pp_rank])
     if config.zero == 3:
-        mine = net = FullyShardedDataParallel(net, units=list(net.children()), group=mesh.dp_group)
+        mine = net = FullyShardedDataParallel(net, units=list(net.children()), group=mesh.replica_group)
     if config.zero in (1, 2):
-        optimizer = ShardedOptimizer(mine.parameters(), torch.optim.AdamW, stage=config.zero, group=mesh.dp_group,
+        optimizer = ShardedOptimizer(mine.parameters(), torch.optim.AdamW, stage=config.zero, group=mesh.replica_group,
                                      foreach=False)
     else:
         optimizer = torch.optim.AdamW(mine.parameters(), foreach=False)
-    replica = BucketedDDP(mine, process_group=mesh.dp_group) if config.zero == 0 else None
+    replica = BucketedDDP(mine, process_group=mesh.replica_group) if config.zero == 0 else None
     for step in range(2):
-        ids, target = (t.chunk(config.dp)[mesh.dp_rank] for t in batch_for(step, args))
+        ids, target = local_batch(step, args, mesh)  # [batch/dp, seq/cp]
         optimizer.zero_grad(set_to_none=True)
         held = [*mine.parameters(), *(t for s in optimizer.state.values() for t in s.values()
                                       if isinstance(t, torch.Tensor))]
@@ -83,7 +83,7 @@ def run_config(model: Model, config: Config) -> dict:
 
 
 def measure(model: Model, config: Config) -> list[dict]:
-    """`run_config` on dp x pp x tp ranks of gloo; one dict per rank."""
+    """`run_config` on dp x pp x cp x tp ranks of gloo; one dict per rank."""
     return launch(run_config, model, config, world_size=config.devices, backend="gloo")
 
 

@@ -95,9 +95,10 @@ def traffic(model: Model, config: Config, stage: int = 0, backend: str = "nccl")
             out += [Traffic("tp", "all_gather", b * s * h * act, calls, t), Traffic("tp", "reduce_scatter", b * s * h * act, calls, t)]
         else:
             out.append(Traffic("tp", "all_reduce", b * s * h * act, calls, t))
-    if config.cp > 1:  # ring attention: K, V around the ring forward; K, V, dK, dV backward
+    if config.cp > 1:  # ring attention: K, V around the ring forward (again when recomputed); K, V, dK, dV backward
         shape = (b, model.heads // t, s, h // model.heads)
         per_layer = ring_bytes_per_rank(shape, config.cp, act, backward=True)
+        per_layer += ring_bytes_per_rank(shape, config.cp, act) if recompute else 0
         message = 2 * b * s * h // t * act
         out.append(Traffic("cp", "send", message, round(per_layer / message) * layers * m, config.cp, "attention"))
     if config.ep > 1 and model.experts > 1:  # dispatch and combine, forward and backward; the counts first (int64)

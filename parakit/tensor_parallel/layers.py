@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from parakit.context_parallel import ring_attention
 from parakit.tensor_parallel.mappings import (copy_to_region, gather_from_region, gather_from_sequence_region,
                                               reduce_from_region, reduce_scatter_to_sequence_region, scatter_to_region)
 
@@ -148,11 +149,18 @@ class ParallelSelfAttention(nn.Module):
     [batch, seq/t, hidden]: qkv all-gathers it, proj reduce-scatters.
     Attention dropout is inside the region: it draws from `rng` (an RNGTracker), a stream
     of its own on each rank, as a dense model draws different masks for different heads.
+    With a `cp_group` (context parallelism) the input is this rank's share of the sequence,
+    [batch, seq/cp, hidden] split by `layout`, and its heads attend over the whole sequence
+    by ring attention (`parakit.context_parallel.ring_attention`: K and V of its heads go
+    around the cp group); no dropout there.
     """
 
     def __init__(self, hidden: int, heads: int, causal: bool = True, dropout: float = 0.0, group=None, rng=None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, cp_group=None, layout: str = "zigzag"):
         super().__init__()
+        if dropout and cp_group is not None:
+            raise ValueError(f"ParallelSelfAttention: dropout={dropout} with a cp_group: ring attention has no "
+                             f"attention dropout, use dropout=0.0")
         t, _ = tp_size_rank(group)
         if hidden % heads:
             raise ValueError(f"ParallelSelfAttention: hidden={hidden} is not divisible by heads={heads}: "
@@ -162,6 +170,7 @@ class ParallelSelfAttention(nn.Module):
             raise ValueError(f"ParallelSelfAttention: dropout={dropout} inside a tensor-parallel region needs "
                              f"rng=RNGTracker(seed, group), so that each rank draws its own mask")
         self.heads, self.causal, self.dropout, self.rng = heads // t, causal, dropout, rng  # heads on this rank
+        self.cp_group, self.layout = cp_group, layout
         self.qkv = ColumnParallelLinear(hidden, 3 * hidden, gather_output=False, group=group,
                                         sequence_parallel=sequence_parallel)
         self.proj = RowParallelLinear(hidden, hidden, input_is_parallel=True, group=group,
@@ -176,7 +185,9 @@ class ParallelSelfAttention(nn.Module):
         qkv = qkv.view(b, s, self.heads, 3, -1)  # [batch, seq, heads/t, 3, head_dim]
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [batch, heads/t, seq, head_dim]
         p = self.dropout if self.training else 0.0
-        if p:
+        if self.cp_group is not None:
+            att = ring_attention(q, k, v, self.causal, self.layout, self.cp_group)  # [batch, heads/t, seq/cp, head_dim]
+        elif p:
             with self.rng.fork():
                 att = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
         else:
@@ -187,13 +198,14 @@ class ParallelSelfAttention(nn.Module):
 class ParallelTransformerBlock(nn.Module):
     """Pre-norm block x + attn(ln(x)), then x + mlp(ln(x)): two all-reduces forward, two
     backward. Layer norms and the residual dropout run outside the tensor-parallel regions,
-    replicated: every rank draws the same residual-dropout mask from the default generator."""
+    replicated: every rank draws the same residual-dropout mask from the default generator.
+    With a `cp_group` the block runs on this rank's share of the sequence, attention by ring."""
 
     def __init__(self, hidden: int, heads: int, ffn_hidden: int | None = None, causal: bool = True,
-                 dropout: float = 0.0, group=None, rng=None):
+                 dropout: float = 0.0, group=None, rng=None, cp_group=None):
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden)
-        self.attn = ParallelSelfAttention(hidden, heads, causal, dropout, group, rng)
+        self.attn = ParallelSelfAttention(hidden, heads, causal, dropout, group, rng, cp_group=cp_group)
         self.norm2 = nn.LayerNorm(hidden)
         self.mlp = ParallelMLP(hidden, ffn_hidden, group)
         self.drop = nn.Dropout(dropout)
