@@ -70,7 +70,8 @@ class CommRecord:
     overlaps. None, with the reason in `unmeasured`, where the OS cannot count them (NCCL,
     CUDA tensors, no /proc/self/io) and for an async call (isend, async_op=True), whose bytes
     may leave after it returns: `CommLog.written_bytes()` counts those over the whole block.
-    `wire_bytes` (also `model_bytes`) is the ring model, not a measurement."""
+    `wire_bytes` (also `model_bytes`) is the ring model, not a measurement; for an all-to-all
+    it is exact: the input less `stays`, the bytes addressed to this rank itself."""
 
     op: str
     nbytes: int
@@ -81,10 +82,14 @@ class CommRecord:
     seconds: float
     measured: int | None = None
     unmeasured: str = ""  # why `measured` is None
+    stays: int | None = None  # all-to-all: the input's bytes for this rank itself
 
     @property
     def wire_bytes(self) -> int:
-        """Model: bytes this rank sends with the bandwidth-optimal (ring or chain) algorithm."""
+        """Model: bytes this rank sends with the bandwidth-optimal (ring or chain) algorithm;
+        an all-to-all sends every other rank its piece."""
+        if self.stays is not None:
+            return self.nbytes - self.stays if self.group_size > 1 else 0
         return ring_bytes(self.op, self.nbytes, self.group_size, self.rank, self.root)
 
     model_bytes = wire_bytes
@@ -252,7 +257,20 @@ def _record(name, bound, tensor_args, peer, root_arg, seconds, before, after, as
         seconds=seconds,
         measured=None if why else after - before,
         unmeasured=why,
+        stays=_own_piece(name, bound, dist.get_rank(group) if in_group else 0,
+                         dist.get_world_size(group) if in_group else 1),
     )
+
+
+def _own_piece(name, bound, rank: int, n: int) -> int | None:
+    """An all-to-all's bytes addressed to `rank` itself (its own split), else None."""
+    if name == "all_to_all":
+        return _nbytes(bound["input_tensor_list"][rank])
+    if name != "all_to_all_single":
+        return None
+    x, splits = bound["input"], bound.get("input_split_sizes")
+    rows = splits[rank] if splits else x.shape[0] // n  # [rows, ...] split along dim 0
+    return rows * (x[0].numel() if x.shape[0] else 0) * x.element_size()
 
 
 ASYNC = ("async call (isend, irecv, async_op=True): its bytes may leave after it returns, inside other calls; "

@@ -15,6 +15,11 @@ A fourth size, cp (context parallelism), sits between pp and tp when asked for: 
 r = ((d * pp + p) * cp + c) * tp + t, the cp group (fixed d, p, t) passes K and V around
 its ring inside every attention, and the replicas that average gradients are then the
 dp x cp group (fixed p, t): each cp rank's gradients cover its tokens only.
+
+A fifth, ep (expert parallelism), adds no ranks: it divides dp x cp, and each replica group
+(its ranks in order, d then c) is cut into runs of ep ranks. An ep group splits the experts
+of every MoE layer and all-to-alls tokens inside it; the expert-replica group (the ranks at
+the same place of every run) holds the same experts and averages their gradients.
 """
 from __future__ import annotations
 
@@ -27,13 +32,17 @@ __all__ = ["mesh_coords", "mesh_rank", "mesh_groups", "Mesh"]
 KINDS = ("dp", "pp", "tp")
 
 
-def _check_sizes(dp: int, pp: int, tp: int, world_size: int | None = None, cp: int = 1) -> None:
+def _check_sizes(dp: int, pp: int, tp: int, world_size: int | None = None, cp: int = 1, ep: int = 1) -> None:
     named = [f"dp={dp}", f"pp={pp}", f"tp={tp}"] + ([f"cp={cp}"] if cp != 1 else [])
-    if min(dp, pp, tp, cp) < 1:
-        raise ValueError(f"mesh sizes must be at least 1, got {', '.join(named)}")
+    if min(dp, pp, tp, cp, ep) < 1:
+        raise ValueError(f"mesh sizes must be at least 1, got {', '.join(named + ([f'ep={ep}'] if ep != 1 else []))}")
     if world_size is not None and dp * pp * tp * cp != world_size:
         raise ValueError(f"mesh {' x '.join(named)} = {dp * pp * tp * cp} ranks, but the world has "
                          f"{world_size}: choose sizes whose product is {world_size}")
+    if (dp * cp) % ep:
+        raise ValueError(f"ep={ep} must divide dp x cp = {dp * cp} (expert parallelism splits the experts over "
+                         f"ranks that hold different tokens): choose ep among "
+                         f"{[n for n in range(1, dp * cp + 1) if dp * cp % n == 0]}")
 
 
 def mesh_coords(rank: int, dp: int, pp: int, tp: int) -> tuple[int, int, int]:
@@ -57,16 +66,17 @@ class Mesh:
     """This rank's place on a dp x pp x tp mesh (or dp x pp x cp x tp) and its process groups.
 
     Every rank of the world builds the Mesh together (`dist.new_group` is collective).
-    Attributes: sizes `dp`, `pp`, `tp`, `cp`; coordinates `dp_rank`, `pp_rank`, `tp_rank`,
+    Attributes: sizes `dp`, `pp`, `tp`, `cp`, `ep`; coordinates `dp_rank`, `pp_rank`, `tp_rank`,
     `cp_rank`; groups `dp_group`, `pp_group`, `tp_group`, and `replica_group`, the ranks
     that average gradients (the dp group; dp x cp with cp > 1); with cp > 1 also `cp_group`
-    (None without: no context parallelism); `ranks[kind]`, the global ranks of this rank's
+    (None without: no context parallelism); with ep > 1 also `ep_group` and
+    `expert_replica_group` (None without); `ranks[kind]`, the global ranks of this rank's
     group of that kind.
     """
 
-    def __init__(self, dp: int, pp: int, tp: int, cp: int = 1):
-        _check_sizes(dp, pp, tp, dist.get_world_size(), cp)
-        self.dp, self.pp, self.tp, self.cp = dp, pp, tp, cp
+    def __init__(self, dp: int, pp: int, tp: int, cp: int = 1, ep: int = 1):
+        _check_sizes(dp, pp, tp, dist.get_world_size(), cp, ep)
+        self.dp, self.pp, self.tp, self.cp, self.ep = dp, pp, tp, cp, ep
         self.rank = dist.get_rank()
         sizes = (dp, pp, cp, tp)
         self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = grid_coords(self.rank, sizes)
@@ -78,6 +88,13 @@ class Mesh:
             setattr(self, f"{kind}_group", group)
         if cp == 1:
             self.replica_group, self.ranks["replica"] = self.dp_group, self.ranks["dp"]
+        self.ep_group = self.expert_replica_group = None  # made below when ep > 1
+        if ep > 1:
+            replicas = grid_groups(sizes, [0, 2])  # ascending: d, then c
+            self.ep_group, self.ranks["ep"] = new_subgroups([g[i:i + ep] for g in replicas
+                                                             for i in range(0, len(g), ep)])
+            self.expert_replica_group, self.ranks["expert_replica"] = new_subgroups([g[j::ep] for g in replicas
+                                                                                     for j in range(ep)])
 
     @property
     def is_first_stage(self) -> bool:
@@ -88,7 +105,7 @@ class Mesh:
         return self.pp_rank == self.pp - 1
 
     def __repr__(self) -> str:
-        cp = f", cp={self.cp}" if self.cp > 1 else ""
+        cp = (f", cp={self.cp}" if self.cp > 1 else "") + (f", ep={self.ep}" if self.ep > 1 else "")
         at = f", c={self.cp_rank}" if self.cp > 1 else ""
         return (f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}{cp}; rank {self.rank} at d={self.dp_rank}, "
                 f"p={self.pp_rank}{at}, t={self.tp_rank})")

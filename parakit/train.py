@@ -12,13 +12,17 @@ it); after the last micro-batch's backward parakit's BucketedDDP all-reduces the
 gradients over the dp group, bucket by bucket, once per step. With --cp (context parallelism)
 each rank holds its zig-zag share of every sequence, attention passes K and V around the cp
 group (`parakit.context_parallel.ring_attention`), and the gradients are averaged over the
-dp x cp group. The model is built from one seed and sharded, so any mesh trains the same
+dp x cp group. With --experts every MLP is a mixture of experts (`parakit.moe`), and with
+--ep its experts are split over ep ranks that hold different tokens (ep divides dp x cp):
+tokens reach their experts by all-to-all, each expert's gradients are averaged over the ranks
+holding it. The model is built from one seed and sharded, so any mesh trains the same
 numbers as one process (--dp 1 --pp 1 --tp 1).
 The data is synthetic and drawn from (seed, step), so a resumed run sees the same batches.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -28,20 +32,22 @@ from torch import nn
 
 from parakit.checkpoint import segment_sizes
 from parakit.context_parallel import shard_sequence
-from parakit.ddp import BucketedDDP
+from parakit.ddp import BucketedDDP, allreduce_hook
 from parakit.devices import device
 from parakit.mesh import Mesh
+from parakit.moe import ExpertParallelMoE, MoE
 from parakit.pipeline import dp_pp_step, split_stages
 from parakit.tensor_parallel import ParallelTransformerBlock
 from parakit.torchrun import process_group
 
-__all__ = ["parse_args", "build_model", "batch_for", "local_batch", "train", "main"]
+__all__ = ["parse_args", "build_model", "batch_for", "local_batch", "replicate", "train", "main"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m parakit.train", description=__doc__.split("\n")[0])
-    for name, default in (("dp", 1), ("pp", 1), ("tp", 1), ("cp", 1), ("steps", 5), ("batch", 16), ("seq", 16),
-                          ("vocab", 64), ("hidden", 32), ("heads", 4), ("layers", 2), ("microbatches", 2), ("seed", 0)):
+    for name, default in (("dp", 1), ("pp", 1), ("tp", 1), ("cp", 1), ("ep", 1), ("steps", 5), ("batch", 16),
+                          ("seq", 16), ("vocab", 64), ("hidden", 32), ("heads", 4), ("layers", 2), ("experts", 1),
+                          ("top-k", 1), ("microbatches", 2), ("seed", 0)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="BucketedDDP's bucket size for the dp all-reduces")
@@ -81,18 +87,32 @@ class Head(nn.Module):
         return self.out(self.norm(x))
 
 
-def build_model(args, tp_group=None, cp_group=None) -> nn.Sequential:
+def build_model(args, tp_group=None, cp_group=None, ep_group=None) -> nn.Sequential:
     """The model as a Sequential of layers (embedding, blocks, head) from `args.seed`. The
     blocks are tensor-parallel over `tp_group` (None: the world): each rank keeps its slice
     of the dense weights made from the same seed, so every tp size computes the same model.
     With a `cp_group` (None: no context parallelism) the model takes this rank's zig-zag
-    share of the sequence (`local_batch`) and attends over the whole by ring attention."""
+    share of the sequence (`local_batch`) and attends over the whole by ring attention.
+    With `args.experts` > 1 each block's MLP is a mixture of experts, split over `ep_group`
+    (None: all of them here); no token is dropped (capacity for every choice), so every ep
+    routes as one process does."""
+    experts = getattr(args, "experts", 1)
+    if experts > 1 and tp_group is not None and dist.get_world_size(tp_group) > 1:
+        raise ValueError(f"--experts {experts} with --tp {dist.get_world_size(tp_group)}: parakit.train's experts are "
+                         f"not split over tp (every tp rank would run every expert); use --tp 1 with experts, "
+                         f"or --experts 1")
     torch.manual_seed(args.seed)
-    layers = [Embedding(args.vocab, args.seq, args.hidden, cp_group),
-              *(ParallelTransformerBlock(args.hidden, args.heads, group=tp_group, cp_group=cp_group)
-                for _ in range(args.layers)),
-              Head(args.hidden, args.vocab)]
+    layers = [Embedding(args.vocab, args.seq, args.hidden, cp_group)]
+    for _ in range(args.layers):  # each MoE is drawn whole (then sliced), before its block: the same for every ep
+        moe = None if experts == 1 else _moe(args, ep_group)
+        layers.append(ParallelTransformerBlock(args.hidden, args.heads, group=tp_group, cp_group=cp_group, mlp=moe))
+    layers.append(Head(args.hidden, args.vocab))
     return nn.Sequential(*layers).to(device())
+
+
+def _moe(args, ep_group) -> nn.Module:
+    sizes = (args.hidden, 4 * args.hidden, args.experts, args.top_k, float(args.experts))  # capacity: every choice
+    return MoE(*sizes) if ep_group is None else ExpertParallelMoE(*sizes, group=ep_group)
 
 
 def batch_for(step: int, args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,6 +138,46 @@ def local_batch(step: int, args, mesh: Mesh) -> tuple[torch.Tensor, torch.Tensor
     return _cp_share(ids, mesh.cp_group, 1), _cp_share(target, mesh.cp_group, 1)  # [batch/dp, seq/cp]
 
 
+class _ExpertReplicas:
+    """Gradient averaging of a stage whose experts are split over ep ranks: BucketedDDP over
+    the replica group (dp x cp ranks) for everything but the experts, and over the
+    expert-replica group (dp x cp / ep ranks holding the same experts) for the experts'
+    gradients, divided by ep as well: an expert's gradient already sums the tokens of its ep
+    group, and the mean is over every token of the replica group."""
+
+    def __init__(self, stage: nn.Module, mesh: Mesh, bucket_mb: float):
+        experts = {id(p) for m in stage.modules() if isinstance(m, ExpertParallelMoE) for p in m.experts.parameters()}
+        self.module = stage
+        self.wrappers = [BucketedDDP(nn.ParameterList(p for p in stage.parameters() if id(p) not in experts),
+                                     bucket_mb, process_group=mesh.replica_group)]
+        if experts:  # a stage of only the embedding or the head has none
+            self.wrappers.append(BucketedDDP(nn.ParameterList(p for p in stage.parameters() if id(p) in experts),
+                                             bucket_mb, process_group=mesh.expert_replica_group))
+            self.wrappers[1].register_comm_hook(lambda flat, group: allreduce_hook(flat.div_(mesh.ep), group))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        with contextlib.ExitStack() as stack:
+            for wrapper in self.wrappers:
+                stack.enter_context(wrapper.no_sync())
+            yield
+
+    def finish_gradient_synchronization(self) -> None:
+        """Sends: the dense buckets' all-reduces over the replica group, then the experts'
+        over the expert-replica group."""
+        for wrapper in self.wrappers:
+            wrapper.finish_gradient_synchronization()
+
+
+def replicate(stage: nn.Module, mesh: Mesh, bucket_mb: float = 25.0):
+    """The wrapper that averages `stage`'s gradients over its replicas, for `dp_pp_step`:
+    BucketedDDP over the replica group, or with ep > 1 one per kind of parameter
+    (`_ExpertReplicas`)."""
+    if mesh.ep > 1:
+        return _ExpertReplicas(stage, mesh, bucket_mb)
+    return BucketedDDP(stage, bucket_mb, process_group=mesh.replica_group)
+
+
 def _lm_loss(logits, target):  # [batch, seq, vocab], [batch, seq]
     return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
@@ -125,18 +185,18 @@ def _lm_loss(logits, target):  # [batch, seq, vocab], [batch, seq]
 def train(args) -> list[float]:
     """Train `args.steps` steps on the mesh dp x pp x cp x tp of the initialised world; every
     rank returns the global mean loss of each step (one all-reduce of a float per step)."""
-    mesh = Mesh(args.dp, args.pp, args.tp, args.cp)
+    mesh = Mesh(args.dp, args.pp, args.tp, args.cp, args.ep)
     if args.batch % (args.dp * args.microbatches):
         raise ValueError(f"batch {args.batch} does not split into dp {args.dp} x {args.microbatches} micro-batches: "
                          f"pick a multiple of {args.dp * args.microbatches}")
-    model = build_model(args, mesh.tp_group, mesh.cp_group)
+    model = build_model(args, mesh.tp_group, mesh.cp_group, mesh.ep_group)
     if len(model) < args.pp:
         raise ValueError(f"{len(model)} layers cannot fill {args.pp} pipeline stages: use --layers >= {args.pp - 2}")
     balance = segment_sizes(len(model), args.pp)  # layers per stage, as even as possible
     mine = nn.ModuleList(split_stages(model, balance)[mesh.pp_rank])
     optimizer = torch.optim.AdamW(mine.parameters(), lr=args.lr)
     first = _load(args.resume, mine, optimizer, mesh) if args.resume else 0
-    replica = BucketedDDP(mine, args.bucket_mb, process_group=mesh.replica_group)  # averages over dp (x cp)
+    replica = replicate(mine, mesh, args.bucket_mb)  # averages over dp (x cp)
     losses = []
     for step in range(first, first + args.steps):
         ids, target = local_batch(step, args, mesh)  # [batch/dp, seq/cp]
@@ -159,8 +219,8 @@ def _global_loss(loss, mesh: Mesh) -> float:
 
 
 def _sizes(mesh: Mesh) -> dict[str, int]:
-    """The mesh's sizes as mesh.json records them (cp only where it is more than 1)."""
-    return {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp, **({"cp": mesh.cp} if mesh.cp > 1 else {})}
+    """The mesh's sizes as mesh.json records them (cp and ep only where more than 1)."""
+    return {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp, **{k: n for k, n in (("cp", mesh.cp), ("ep", mesh.ep)) if n > 1}}
 
 
 def _save(folder: Path, stage, optimizer, step: int, mesh: Mesh) -> None:

@@ -365,6 +365,26 @@ def test_measured_bytes_match_the_kernels_tcp_count_within_two_percent(op, world
             assert abs(measured - children * MEGA) <= 0.005 * MEGA, (op, rank, measured)
 
 
+def uneven_all_to_all(rows):
+    """One all_to_all_single whose splits are this rank's row of `rows` (rows[i][j]: rank i
+    to rank j), rows of 256 floats: (the record's model, the OS's bytes)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    received = [rows[j][rank] for j in range(n)]
+    x = torch.randn(sum(rows[rank]), 256)
+    with CommLog() as log:
+        dist.all_to_all_single(x.new_empty(sum(received), 256), x, received, rows[rank])
+    return log.records[0].wire_bytes, log.measured_bytes()
+
+
+@pytest.mark.skipif(comm.written_bytes() is None, reason="no /proc/self/io on this platform")
+def test_an_uneven_all_to_all_sends_exactly_the_rows_for_other_ranks():
+    rows = [[7, 300, 0], [50, 2, 120], [10, 30, 500]]
+    for rank, (model, measured) in enumerate(parakit.launch(uneven_all_to_all, rows, world_size=3)):
+        others = 1024 * (sum(rows[rank]) - rows[rank][rank])  # what leaves the rank, not the (n-1)/n of the input
+        assert model == others
+        assert abs(measured - others) <= 0.02 * others, (rank, measured, others)
+
+
 def without_proc_io():
     saved, comm._PROC_IO = comm._PROC_IO, "/nonexistent/io"
     try:

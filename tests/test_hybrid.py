@@ -183,20 +183,28 @@ def test_a_batch_that_does_not_split_across_replicas_and_microbatches_is_refused
 
 def first_step(argv):
     """The trainer's first step on this rank, as `train` runs it: the loss averaged over the
-    world's tokens and this rank's parameter gradients after the dp x cp all-reduce."""
+    world's tokens and this rank's parameter gradients after the dp x cp all-reduce (its
+    experts named by their index in the whole layer)."""
     from parakit import train
-    from parakit.ddp import BucketedDDP
+    from parakit.moe import ExpertParallelMoE
     from parakit.pipeline import dp_pp_step
     args = train.parse_args(argv)
-    mesh = Mesh(args.dp, 1, 1, args.cp)
-    model = train.build_model(args, mesh.tp_group, mesh.cp_group)
+    mesh = Mesh(args.dp, 1, 1, args.cp, args.ep)
+    model = train.build_model(args, mesh.tp_group, mesh.cp_group, mesh.ep_group)
     ids, target = train.local_batch(0, args, mesh)  # [batch/dp, seq/cp]
-    replica = BucketedDDP(model, process_group=mesh.replica_group)
+    replica = train.replicate(model, mesh)
     loss = dp_pp_step(model, [len(model)], ids, target, lambda y, t: torch.nn.functional.cross_entropy(
         y.flatten(0, 1), t.flatten()), pp_group=mesh.pp_group, replica=replica, num_microbatches=2)
     total = loss.detach().reshape(1)
     dist.all_reduce(total)
-    return total.item() / dist.get_world_size(), {n: p.grad for n, p in model.named_parameters()}
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for prefix, layer in model.named_modules():
+        if isinstance(layer, ExpertParallelMoE):
+            for i, expert in enumerate(layer.experts):
+                for n, p in expert.named_parameters():
+                    del grads[f"{prefix}.experts.{i}.{n}"]
+                    grads[f"{prefix}.experts.{layer.first_expert + i}.{n}"] = p.grad
+    return total.item() / dist.get_world_size(), grads
 
 
 CP_MESHES = {"cp2": (["--cp", "2"], 2), "dp2_cp2": (["--dp", "2", "--cp", "2"], 4),
@@ -302,3 +310,50 @@ def test_two_torchrun_nodes_of_four_processes_give_the_same_losses(tmp_path, one
     losses = json.loads(logged[0].read_text()) if logged else None
     losses = losses or [float(line.split()[-1]) for line in printed]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(one_process_losses), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- expert parallelism in the trainer
+
+MOE = ["--experts", "4", "--top-k", "2"]
+EP_MESHES = {"dp2_ep2": (["--dp", "2", "--ep", "2"], 2), "cp2_ep2": (["--cp", "2", "--ep", "2"], 2),
+             "dp4_ep2": (["--dp", "4", "--ep", "2"], 4), "dp2_pp2_ep2": (["--dp", "2", "--pp", "2", "--ep", "2"], 4)}
+
+
+@pytest.mark.parametrize("mesh", ["dp2_ep2", "cp2_ep2", "dp4_ep2"])
+def test_experts_split_over_ep_give_one_process_loss_and_gradients(mesh):
+    """Every expert's gradient, on the rank that holds it, equals one process's: it sums its ep
+    group's tokens (all-to-all backward), then the expert replicas' (dp4_ep2: 2 of them), over dp x cp."""
+    [(loss, grads)] = parakit.launch(first_step, SMALL + MOE, world_size=1)
+    argv, world_size = EP_MESHES[mesh]
+    held = set()
+    for rank_loss, rank_grads in parakit.launch(first_step, SMALL + MOE + argv, world_size=world_size):
+        assert rank_loss == pytest.approx(loss, rel=1e-5)
+        assert len(rank_grads) < len(grads)  # half the experts
+        torch.testing.assert_close(rank_grads, {n: grads[n] for n in rank_grads}, rtol=1e-4, atol=1e-6)
+        held |= set(rank_grads)
+    assert held == set(grads)
+
+
+def test_ep_trainer_with_a_pipeline_matches_one_process_for_five_steps():
+    [reference] = parakit.launch(run_trainer, SMALL + MOE, world_size=1)
+    argv, world_size = EP_MESHES["dp2_pp2_ep2"]
+    for losses in parakit.launch(run_trainer, SMALL + MOE + argv, world_size=world_size):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-5)
+
+
+def ep_mesh_groups(dp, cp, ep):
+    mesh = Mesh(dp, 1, 1, cp, ep)
+    return mesh.ranks["ep"], mesh.ranks["expert_replica"]
+
+
+def test_ep_groups_cut_the_replicas_into_runs_and_expert_replicas_take_every_ep_th():
+    assert parakit.launch(ep_mesh_groups, 2, 2, 2, world_size=4) == [([0, 1], [0, 2]), ([0, 1], [1, 3]),
+                                                                    ([2, 3], [0, 2]), ([2, 3], [1, 3])]
+
+
+@pytest.mark.parametrize("argv, world_size, message", [
+    (["--dp", "2", "--ep", "4"], 2, "ep=4 must divide dp x cp = 2"),
+    (["--tp", "2"], 2, "parakit.train's experts are not split over tp")])
+def test_ep_that_does_not_divide_the_replicas_or_experts_with_tp_are_refused(argv, world_size, message):
+    with pytest.raises(parakit.RankError, match=message):
+        parakit.launch(run_trainer, SMALL + MOE + argv, world_size=world_size)

@@ -72,6 +72,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, groups: int = 1) -> torch.Tensor:
         check_width(x, self.hidden)
+        if x.is_meta:  # shapes only (a pipeline's activation_shapes): the routing needs values
+            return torch.empty_like(x)
         tokens = x.reshape(-1, self.hidden)  # [tokens, hidden]
         if tokens.shape[0] % groups:
             raise ValueError(f"{tokens.shape[0]} tokens do not split into groups={groups} equal groups: "

@@ -139,6 +139,8 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_width(x, self.hidden)
+        if x.is_meta:  # shapes only (a pipeline's activation_shapes): the routing needs values
+            return torch.empty_like(x)
         tokens = x.reshape(-1, self.hidden)  # [tokens, hidden]
         r = self.routing = self.router.route(tokens)
         received, self.recv_counts = dispatch(tokens, r.experts, r.slots, self.num_experts, self.group)

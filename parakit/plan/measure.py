@@ -1,6 +1,7 @@
 """The planner against real ranks: parakit.train's tiny transformer trained one step on a
 configuration (dp x pp x cp x tp with BucketedDDP and a pipeline schedule, cp by ring
-attention in the blocks, or dp alone at a ZeRO stage, blocks checkpointed or not), measured
+attention in the blocks, ep by experts split over ranks, or dp alone at a ZeRO stage, blocks
+checkpointed or not), measured
 on every rank: bytes written on the wire by the OS (`comm.CommLog.written_bytes`, gloo), the
 ring model's bytes, and the peak of live tensor bytes (`devices.MemoryMeter`: parameters, gradients, optimizer state and everything
 the step allocates). `compare` puts the planner's predictions beside them.
@@ -15,7 +16,6 @@ from torch import nn
 
 from parakit import comm
 from parakit.checkpoint import Checkpointed, segment_sizes
-from parakit.ddp import BucketedDDP
 from parakit.devices import MemoryMeter
 from parakit.launcher import launch
 from parakit.mesh import Mesh
@@ -29,16 +29,17 @@ from parakit.zero.optimizer import ShardedOptimizer
 __all__ = ["tiny_model", "run_config", "measure", "compare", "measure_context_parallel", "measure_expert_parallel"]
 
 
-def tiny_model(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 16, vocab: int = 64) -> Model:
+def tiny_model(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 16, vocab: int = 64,
+               experts: int = 1, top_k: int = 1) -> Model:
     """parakit.train's model as the planner sees it: learned positions, the vocabulary
     replicated on every tp rank, an output bias, the fp32 "parakit" activation model."""
-    return Model(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, positions=True,
-                 vocab_parallel=False, head_bias=True, activations="parakit")
+    return Model(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, experts=experts, top_k=top_k,
+                 positions=True, vocab_parallel=False, head_bias=True, activations="parakit")
 
 
 def _args(model: Model, config: Config) -> Namespace:
     return Namespace(seed=0, vocab=model.vocab, seq=model.seq, hidden=model.hidden, heads=model.heads,
-                     layers=model.layers, batch=config.global_batch)
+                     layers=model.layers, batch=config.global_batch, experts=model.experts, top_k=model.top_k)
 
 
 def _lm_loss(logits, target):  # [batch, seq, vocab], [batch, seq]
@@ -47,11 +48,15 @@ def _lm_loss(logits, target):  # [batch, seq, vocab], [batch, seq]
 
 def run_config(model: Model, config: Config) -> dict:
     """On each rank (inside parakit.launch): two steps, the second measured. `config.ddp_buckets` should be True at ZeRO 0 (BucketedDDP). Returns
-    {"written": OS bytes written, "wire": ring-model bytes, "peak": peak live bytes, "stage": pp rank}."""
-    from parakit.train import build_model, local_batch  # the trainer's own model and data
+    {"written": OS bytes written, "wire": ring-model bytes, "all_to_all": the all-to-alls' bytes
+    (exact: the rows the routing sent off the rank), "peak": peak live bytes, "stage": pp rank}."""
+    from parakit.train import build_model, local_batch, replicate  # the trainer's own model, data and replicas
+    if config.ep > 1 and config.zero:
+        raise ValueError(f"ep={config.ep} with ZeRO-{config.zero}: parakit's ZeRO shards over the replica group, "
+                         f"which holds different experts; measure ep at zero=0")
     args = _args(model, config)
-    mesh = Mesh(config.dp, config.pp, config.tp, config.cp)
-    net = build_model(args, mesh.tp_group, mesh.cp_group)
+    mesh = Mesh(config.dp, config.pp, config.tp, config.cp, config.ep)
+    net = build_model(args, mesh.tp_group, mesh.cp_group, mesh.ep_group)
     if config.checkpointing == "full":
         net = nn.Sequential(net[0], *(Checkpointed(block) for block in net[1:-1]), net[-1])
     balance = segment_sizes(len(net), config.pp)
@@ -63,7 +68,7 @@ def run_config(model: Model, config: Config) -> dict:
                                      foreach=False)
     else:
         optimizer = torch.optim.AdamW(mine.parameters(), foreach=False)
-    replica = BucketedDDP(mine, process_group=mesh.replica_group) if config.zero == 0 else None
+    replica = replicate(mine, mesh) if config.zero == 0 else None
     for step in range(2):
         ids, target = local_batch(step, args, mesh)  # [batch/dp, seq/cp]
         optimizer.zero_grad(set_to_none=True)
@@ -79,7 +84,8 @@ def run_config(model: Model, config: Config) -> dict:
                 if config.zero == 3:
                     net.finish_gradient_synchronization()
             optimizer.step()
-    return {"written": log.written_bytes(), "wire": log.wire_bytes(), "peak": meter.peaks()[0], "stage": mesh.pp_rank}
+    return {"written": log.written_bytes(), "wire": log.wire_bytes(), "peak": meter.peaks()[0], "stage": mesh.pp_rank,
+            "all_to_all": sum(r.wire_bytes for r in log.records if r.op.startswith("all_to_all"))}
 
 
 def measure(model: Model, config: Config) -> list[dict]:
@@ -101,14 +107,19 @@ def gloo_sent(model: Model, config: Config, stage: int) -> float:
 
 def compare(model: Model, config: Config, measured: list[dict]) -> list[dict]:
     """Each rank's predicted and measured bytes sent and peak bytes, and the errors
-    (predicted / measured - 1)."""
+    (predicted / measured - 1). With experts the planner assumes the routers spread the
+    choices evenly; "routed" is its prediction with the all-to-alls' bytes the routing really
+    sent (exact, from the splits), "routed_error" its error."""
     rows = []
     for rank, got in enumerate(measured):
         stage = got["stage"]
         sent = gloo_sent(model, config, stage)
+        even = sum(c.sent for c in traffic(model, config, stage, backend="gloo") if c.op == "all_to_all")
+        routed = sent - even + got.get("all_to_all", even)
         peak = memory(model, None, config, stage, backend="gloo").peak
+        written = got["written"] or float("nan")
         rows.append({"rank": rank, "sent": sent, "written": got["written"], "wire": got["wire"],
-                     "sent_error": sent / got["written"] - 1 if got["written"] else float("nan"),
+                     "sent_error": sent / written - 1, "routed": routed, "routed_error": routed / written - 1,
                      "peak": peak, "measured_peak": got["peak"], "peak_error": peak / got["peak"] - 1})
     return rows
 

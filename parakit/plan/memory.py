@@ -155,9 +155,23 @@ def layer_activation_bytes(model: Model, config: Config) -> float:
     if model.activations == "megatron":
         extra = 19 * (model.top_k - 1) if model.experts > 1 else 0  # our extension: the MLP's 19 sbh per choice
         return paper_activation_bytes(s, b, h, scores, t, sp) + s * b * h * extra / t
-    k = model.top_k if model.experts > 1 else 1  # parakit's fp32 block, counted from its code (tests check it)
-    floats = 4 * h + 4 + (4 * h + 2 * model.ffn_hidden * k + a) / t
-    return s * b * 4 * (floats / divide if sp else floats)
+    floats = 4 * h + 4 + (4 * h + a) / t + _mlp_floats(model, config)  # parakit's fp32 block, counted from its
+    per_layer = s * b * 4 * (floats / divide if sp else floats)  # code (tests check it)
+    return per_layer + (4 * model.experts if model.experts > 1 else 0)  # the balancing loss's [E] fractions
+
+
+def _mlp_floats(model: Model, config: Config) -> float:
+    """Floats (int64: two) the MLP saves per token, beside its input: the dense MLP its two
+    [ffn/tp] activations; parakit.moe's layer, from its code, with the routers spreading the
+    k choices evenly: the router's logits and probabilities [E] and logsumexp [1], each choice's
+    top-k index (int64); each kept choice's row into its expert [h], the expert's two [ffn/tp],
+    its output and its gated output [2h], its gate [1], three int64 indices (and with ep > 1
+    two more, for the rows received)."""
+    f, t, k = model.ffn_hidden, config.tp, model.top_k
+    if model.experts == 1:
+        return 2 * f / t
+    indices = 3 + (2 if config.ep > 1 else 0)
+    return 2 * model.experts + 1 + 2 * k + k * (3 * model.hidden + 1 + 2 * f / t + 2 * indices)
 
 
 def recompute_bytes(model: Model, config: Config) -> float:

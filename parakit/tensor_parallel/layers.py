@@ -199,15 +199,16 @@ class ParallelTransformerBlock(nn.Module):
     """Pre-norm block x + attn(ln(x)), then x + mlp(ln(x)): two all-reduces forward, two
     backward. Layer norms and the residual dropout run outside the tensor-parallel regions,
     replicated: every rank draws the same residual-dropout mask from the default generator.
-    With a `cp_group` the block runs on this rank's share of the sequence, attention by ring."""
+    With a `cp_group` the block runs on this rank's share of the sequence, attention by ring.
+    `mlp` replaces the ParallelMLP (a mixture of experts: [batch, seq, hidden] in and out)."""
 
     def __init__(self, hidden: int, heads: int, ffn_hidden: int | None = None, causal: bool = True,
-                 dropout: float = 0.0, group=None, rng=None, cp_group=None):
+                 dropout: float = 0.0, group=None, rng=None, cp_group=None, mlp: nn.Module | None = None):
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden)
         self.attn = ParallelSelfAttention(hidden, heads, causal, dropout, group, rng, cp_group=cp_group)
         self.norm2 = nn.LayerNorm(hidden)
-        self.mlp = ParallelMLP(hidden, ffn_hidden, group)
+        self.mlp = ParallelMLP(hidden, ffn_hidden, group) if mlp is None else mlp
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [batch, seq, hidden]
