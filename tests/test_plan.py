@@ -52,15 +52,20 @@ def test_parakit_activation_model_counts_what_autograd_saves():
     from parakit.checkpoint import saved_bytes
     from parakit.launcher import launch
 
-    def saved(model, b):
+    def saved(model, b, cp):
+        import torch.distributed as dist
         from parakit.tensor_parallel import ParallelTransformerBlock
-        block = ParallelTransformerBlock(model.hidden, model.heads)
-        return saved_bytes(block, torch.randn(b, model.seq, model.hidden, requires_grad=True)).forward
+        if cp == 1:
+            block = ParallelTransformerBlock(model.hidden, model.heads)
+        else:  # ring attention over the world, no tp
+            block = ParallelTransformerBlock(model.hidden, model.heads, group=dist.new_group([dist.get_rank()]),
+                                             cp_group=dist.group.WORLD)
+        return saved_bytes(block, torch.randn(b, model.seq // cp, model.hidden, requires_grad=True)).forward
 
     model = tiny_model()
-    for tp in (1, 2):
-        got = launch(saved, model, 2, world_size=tp, backend="gloo")
-        assert got == [layer_activation_bytes(model, Config(tp=tp, microbatch=2))] * tp
+    for tp, cp in ((1, 1), (2, 1), (1, 2)):
+        got = launch(saved, model, 2, cp, world_size=tp * cp, backend="gloo")
+        assert got == [layer_activation_bytes(model, Config(tp=tp, cp=cp, microbatch=2))] * tp * cp
 
 
 def test_stage_tensors_are_the_trainers_parameters_in_order():

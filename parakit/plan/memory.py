@@ -155,8 +155,11 @@ def layer_activation_bytes(model: Model, config: Config) -> float:
     if model.activations == "megatron":
         extra = 19 * (model.top_k - 1) if model.experts > 1 else 0  # our extension: the MLP's 19 sbh per choice
         return paper_activation_bytes(s, b, h, scores, t, sp) + s * b * h * extra / t
-    floats = 4 * h + 4 + (4 * h + a) / t + _mlp_floats(model, config)  # parakit's fp32 block, counted from its
-    per_layer = s * b * 4 * (floats / divide if sp else floats)  # code (tests check it)
+    # parakit's fp32 block, counted from its code (tests check it). Ring attention's output is
+    # [b, heads, s, d], so the projection's [b, s, h] input is a copy (SDPA's is a view of it)
+    ring = h / t if config.cp > 1 else 0
+    floats = 4 * h + 4 + (4 * h + a) / t + ring + _mlp_floats(model, config)
+    per_layer = s * b * 4 * (floats / divide if sp else floats)
     return per_layer + (4 * model.experts if model.experts > 1 else 0)  # the balancing loss's [E] fractions
 
 
