@@ -84,7 +84,9 @@ def run_config(model: Model, config: Config) -> dict:
                 if config.zero == 3:
                     net.finish_gradient_synchronization()
             optimizer.step()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}  # views count once
     return {"written": log.written_bytes(), "wire": log.wire_bytes(), "peak": meter.peaks()[0], "stage": mesh.pp_rank,
+            "held": sum(storages.values()),
             "all_to_all": sum(r.wire_bytes for r in log.records if r.op.startswith("all_to_all"))}
 
 
@@ -109,18 +111,24 @@ def compare(model: Model, config: Config, measured: list[dict]) -> list[dict]:
     """Each rank's predicted and measured bytes sent and peak bytes, and the errors
     (predicted / measured - 1). With experts the planner assumes the routers spread the
     choices evenly; "routed" is its prediction with the all-to-alls' bytes the routing really
-    sent (exact, from the splits), "routed_error" its error."""
-    rows = []
+    sent (exact, from the splits), "routed_error" its error. "held" is the parameters and
+    optimizer state at rest, which the planner predicts for the rank of each pipeline stage
+    that holds most (ZeRO-1/2's largest owner): "held_error" is against that rank's."""
+    rows, most = [], {}
+    for got in measured:
+        most[got["stage"]] = max(most.get(got["stage"], 0), got["held"])
     for rank, got in enumerate(measured):
         stage = got["stage"]
         sent = gloo_sent(model, config, stage)
         even = sum(c.sent for c in traffic(model, config, stage, backend="gloo") if c.op == "all_to_all")
         routed = sent - even + got.get("all_to_all", even)
-        peak = memory(model, None, config, stage, backend="gloo").peak
+        predicted = memory(model, None, config, stage, backend="gloo")
+        peak, held = predicted.peak, predicted.items["parameters"] + predicted.items["optimizer"]
         written = got["written"] or float("nan")
         rows.append({"rank": rank, "sent": sent, "written": got["written"], "wire": got["wire"],
                      "sent_error": sent / written - 1, "routed": routed, "routed_error": routed / written - 1,
-                     "peak": peak, "measured_peak": got["peak"], "peak_error": peak / got["peak"] - 1})
+                     "peak": peak, "measured_peak": got["peak"], "peak_error": peak / got["peak"] - 1,
+                     "held": held, "measured_held": got["held"], "held_error": held / most[stage] - 1})
     return rows
 
 
