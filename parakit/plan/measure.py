@@ -69,13 +69,14 @@ def run_config(model: Model, config: Config) -> dict:
     else:
         optimizer = torch.optim.AdamW(mine.parameters(), foreach=False)
     replica = replicate(mine, mesh) if config.zero == 0 else None
+    buckets = [b.buffer for w in getattr(replica, "wrappers", [replica]) for b in w.buckets] if replica else []
     for step in range(2):
         ids, target = local_batch(step, args, mesh)  # [batch/dp, seq/cp]
         optimizer.zero_grad(set_to_none=True)
         held = [*mine.parameters(), *(t for s in optimizer.state.values() for t in s.values()
                                       if isinstance(t, torch.Tensor))]
         with comm.CommLog() as log, MemoryMeter([0]) as meter:
-            meter.place(held, 0)
+            meter.place(held + buckets, 0)
             if replica is not None:
                 dp_pp_step(net, balance, ids, target, _lm_loss, pp_group=mesh.pp_group, replica=replica,
                            schedule=config.schedule, num_microbatches=config.microbatches)

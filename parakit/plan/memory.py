@@ -42,14 +42,17 @@ class Memory:
 
     Gradients are set to None between steps, so they appear with the first backward, and
     the reductions with them: `peak` is the larger of the most activations before it
-    (`in_flight` micro-batches, no gradients) and the most after it (`with_gradients`
-    micro-batches, gradients too; 1F1B's steady state), and the end of the backward
-    (gradients, no activations)."""
+    (`in_flight` micro-batches, no gradients), the most after it (`with_gradients`
+    micro-batches, gradients too: a later backward's own micro-batch, or 1F1B's steady
+    state) with the gradients flowing back through one layer of that backward (`backward`),
+    and the end of the backward (gradients, no activations). `transient` holds, beside a
+    backward's own buffers, BucketedDDP's flat gradient copy, kept for the wrapper's life."""
 
     stage: int
     items: dict[str, float]
     in_flight: int
     with_gradients: int = 0
+    backward: float = 0.0
     fits: bool | None = None
 
     @property
@@ -59,7 +62,8 @@ class Memory:
         states = total - self.items["activations"]
         before = states - self.items["gradients"] - self.items["reductions"]
         return max(before + self.items["activations"],
-                   states + self.with_gradients * per_microbatch, states)
+                   states + self.with_gradients * per_microbatch + (self.backward if self.with_gradients else 0),
+                   states)
 
 
 def layer_tensors(model: Model, tp: int, ep: int = 1) -> tuple[list[int], list[int]]:
@@ -183,10 +187,17 @@ def recompute_bytes(model: Model, config: Config) -> float:
     output's [microbatch, seq, hidden] and two of the MLP's [microbatch, seq, ffn/tp] (the
     gradient of fc2's input while fc1's output's is made; measured on plan.measure's runs).
     The planner counts it with the micro-batch's stored inputs, on top of all the gradients."""
+    return layer_activation_bytes(model, replace(config, checkpointing="none")) + _flowing(model, config)
+
+
+def _flowing(model: Model, config: Config) -> float:
+    """The gradients flowing back through one layer in a backward: its output's [microbatch,
+    seq, hidden] and two of the MLP's [microbatch, seq, ffn/tp]; a mixture's experts run their
+    backwards one after another, each on its top_k / (experts/ep) share of the tokens."""
     s, b, act = model.seq // config.cp, config.microbatch, DTYPES[config.dtype][3]
     sp = config.sp and config.tp > 1
-    flowing = s * b * act * (model.hidden / (config.tp if sp else 1) + 2 * model.ffn_hidden * model.top_k / config.tp)
-    return layer_activation_bytes(model, replace(config, checkpointing="none")) + flowing
+    share = model.top_k * config.ep / model.experts if model.experts > 1 else 1
+    return s * b * act * (model.hidden / (config.tp if sp else 1) + 2 * model.ffn_hidden * share / config.tp)
 
 
 def stage_extra_bytes(model: Model, config: Config, stage: int) -> float:
@@ -219,8 +230,9 @@ def _peaks(schedule: str, p: int, m: int, v: int | None) -> tuple[int, ...]:
 
 def in_flight_with_gradients(config: Config) -> list[int]:
     """The most micro-batch activations each pipeline rank holds once it has run a backward
-    (so gradients exist beside them): 1F1B's steady state; 0 for GPipe, whose backwards all
-    come after the last forward. From the simulator's events, counted as it counts peaks."""
+    (so gradients exist beside them): at a later forward (1F1B's steady state) or at the
+    start of a later backward, its own micro-batch included (GPipe: m - 1). From the
+    simulator's events, counted as it counts peaks."""
     if config.pp == 1:
         return [1 if config.microbatches > 1 else 0]
     v = config.v if config.schedule in ("interleaved", "zbv") else None
@@ -237,9 +249,9 @@ def _after_backward(schedule: str, p: int, m: int, v: int | None) -> tuple[int, 
         stored, seen, best = 0, False, 0
         for e in sorted((e for e in line.events if e.rank == r), key=lambda e: (e.start, e.end)):
             stored += 1 if e.action.op == "F" else -1 if e.action.op == release else 0
+            if seen and e.action.op in ("F", "B"):  # a forward, or a backward with its own micro-batch, after the first
+                best = max(best, stored + (1 if e.action.op == "B" and release == "B" else 0))
             seen = seen or e.action.op == "B"
-            if seen and e.action.op == "F":
-                best = max(best, stored)
         out.append(best)
     return tuple(out)
 
@@ -286,7 +298,8 @@ def memory(model: Model, cluster: Cluster | None, config: Config, stage: int | N
     if config.ddp_buckets and config.zero == 0:  # the buckets hold a second copy of the gradients
         transient += states["gradients"]
     items = {**states, "activations": activations, "transient": transient}
-    result = Memory(stage, items, held, in_flight_with_gradients(config)[stage])
+    flowing = _flowing(model, config) if config.checkpointing != "full" else 0.0  # full: in the transient
+    result = Memory(stage, items, held, in_flight_with_gradients(config)[stage], flowing)
     if cluster is not None:
         result.fits = result.peak <= cluster.memory
     return result
