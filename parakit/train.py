@@ -185,6 +185,9 @@ def _lm_loss(logits, target):  # [batch, seq, vocab], [batch, seq]
 def train(args) -> list[float]:
     """Train `args.steps` steps on the mesh dp x pp x cp x tp of the initialised world; every
     rank returns the global mean loss of each step (one all-reduce of a float per step)."""
+    if args.ep > 1 and args.experts == 1:
+        raise ValueError(f"--ep {args.ep} splits experts, but the model has none: add --experts (a multiple of "
+                         f"{args.ep}), or use --ep 1")
     mesh = Mesh(args.dp, args.pp, args.tp, args.cp, args.ep)
     if args.batch % (args.dp * args.microbatches):
         raise ValueError(f"batch {args.batch} does not split into dp {args.dp} x {args.microbatches} micro-batches: "

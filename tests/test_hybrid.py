@@ -353,7 +353,9 @@ def test_ep_groups_cut_the_replicas_into_runs_and_expert_replicas_take_every_ep_
 
 @pytest.mark.parametrize("argv, world_size, message", [
     (["--dp", "2", "--ep", "4"], 2, "ep=4 must divide dp x cp = 2"),
-    (["--tp", "2"], 2, "parakit.train's experts are not split over tp")])
-def test_ep_that_does_not_divide_the_replicas_or_experts_with_tp_are_refused(argv, world_size, message):
+    (["--tp", "2"], 2, "parakit.train's experts are not split over tp"),
+    (["--dp", "2", "--ep", "2", "--experts", "1"], 2, "--ep 2 splits experts, but the model has none")])
+def test_ep_that_does_not_divide_the_replicas_or_experts_with_tp_or_ep_without_experts_are_refused(argv, world_size,
+                                                                                                    message):
     with pytest.raises(parakit.RankError, match=message):
         parakit.launch(run_trainer, SMALL + MOE + argv, world_size=world_size)
