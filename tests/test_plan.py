@@ -217,7 +217,6 @@ def test_parakit_activation_model_counts_what_a_moe_block_saves_exactly_over_its
     for ep in (1, 2):
         got = launch(saved, model, 2, ep, world_size=ep, backend="gloo")
         assert sum(got) == ep * layer_activation_bytes(model, Config(dp=ep, ep=ep, microbatch=2))
-        assert len(set(got)) == ep  # the routing decides each rank's share
 
 
 def test_dp4_zero1_bytes_sent_exactly_and_its_peak_where_it_moves_with_load():

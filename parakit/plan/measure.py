@@ -122,7 +122,7 @@ def compare(model: Model, config: Config, measured: list[dict]) -> list[dict]:
         stage = got["stage"]
         sent = gloo_sent(model, config, stage)
         even = sum(c.sent for c in traffic(model, config, stage, backend="gloo") if c.op == "all_to_all")
-        routed = sent - even + got.get("all_to_all", even)
+        routed = sent - even + got["all_to_all"]
         predicted = memory(model, None, config, stage, backend="gloo")
         peak, held = predicted.peak, predicted.items["parameters"] + predicted.items["optimizer"]
         written = got["written"] or float("nan")
