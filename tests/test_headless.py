@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import nbformat
 import pytest
@@ -28,7 +27,9 @@ CELLS = [  # the shapes of the lessons' explore calls: int sliders, a list, a pr
     "viz.explore(bars, k=(0, 16))",
     "viz.explore(viz.checkpoint_plan, n=(16, 64), segments=(4, 16))",
 ]
-CELL_TIMEOUT = 20  # s: a cell that stalls waits exactly this long
+# Only a bound on a real hang: the verdict is the messages below, not the time. Cells take
+# 0.1-3 s at idle and up to ~20 s beside two busy loops (the first, importing matplotlib).
+CELL_TIMEOUT = 300
 RUNS = 3
 
 
@@ -36,17 +37,19 @@ def busy_loops(k: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(k)]
 
 
-def run_headless(nb) -> tuple[list[float], NotebookClient]:
+def run_headless(nb) -> tuple[list[str], NotebookClient]:
+    """Execute `nb`; return the types of the messages the client sent the kernel on the shell
+    channel (a client that answers an Output widget sends comm messages there mid-cell)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PARAKIT_STATIC", "CI", "MPLBACKEND")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     client = NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3")
-    seconds = []
+    sent = []
     with client.setup_kernel(env=env):
+        send = client.kc.shell_channel.send
+        client.kc.shell_channel.send = lambda msg: (sent.append(msg["header"]["msg_type"]), send(msg))[1]
         for index, cell in enumerate(nb.cells):
-            start = time.monotonic()
             client.execute_cell(cell, index)
-            seconds.append(time.monotonic() - start)
-    return seconds, client
+    return sent, client
 
 
 def test_widget_cells_run_headless_under_load_without_waiting_for_their_timeout():
@@ -54,9 +57,9 @@ def test_widget_cells_run_headless_under_load_without_waiting_for_their_timeout(
     try:
         for run in range(RUNS):
             nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
-            seconds, client = run_headless(nb)
+            sent, client = run_headless(nb)
             assert client.comm_objects == {}, "the client emulated an Output widget (it talks back on the shell channel)"
-            assert max(seconds) < CELL_TIMEOUT, f"run {run}: a cell waited for its timeout: {seconds}"
+            assert sent == ["execute_request"] * len(CELLS), f"run {run}: the client answered the kernel mid-cell: {sent}"
             for cell in nb.cells[1:]:
                 kinds = [sorted(o.get("data", {})) for o in cell.outputs]
                 assert kinds[0] == ["application/vnd.jupyter.widget-view+json", "text/plain"]  # the controls
