@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from parakit import comm
-from parakit.grading.codec import DTYPES, CodecError, recv_frame, send_frame, tensor_bytes, tensor_from, tensor_meta
+from parakit.grading.codec import (DTYPES, MAX_PAYLOAD, CodecError, recv_frame, send_frame, tensor_bytes, tensor_from,
+                                  tensor_meta)
 
 __all__ = ["Broker", "Call", "REDUCE"]
 
@@ -54,7 +55,11 @@ class Broker:
     """Listens on a Unix socket for one rank per token (each proving its rank with its
     token), serves their calls and records them. `serve(done, idle_ranks)` serves until
     `done()` is true, every rank has hung up, or the calls cannot complete (then `failure`
-    says why)."""
+    says why). A rank's frame holds at most `max_payload` bytes of data and, once begun,
+    arrives whole within `frame_timeout` s, or its connection is dropped (the judge may lower both)."""
+
+    max_payload = MAX_PAYLOAD
+    frame_timeout = 30.0
 
     def __init__(self, path: str, tokens: list[str]):
         self.tokens, self.world_size = tokens, len(tokens)
@@ -102,7 +107,7 @@ class Broker:
     def _on_readable(self, sel, key) -> None:
         sock, state = key.fileobj, key.data
         try:
-            frame = recv_frame(sock)
+            frame = recv_frame(sock, max_payload=self.max_payload, timeout=self.frame_timeout)
         except (CodecError, OSError) as error:
             frame = None
             if state[0] is not None:
