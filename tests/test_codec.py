@@ -1,4 +1,4 @@
-"""What a hostile rank can send the judge.
+"""What a hostile rank can send the judge, and how strictly its answer is compared.
 
 The frames are fed to `recv_frame` through a socketpair, as a rank's process would write
 them; every refusal is a `CodecError` (what the judge catches), never a crash, a stall or
@@ -14,7 +14,7 @@ import tracemalloc
 import pytest
 import torch
 
-from parakit.grading import codec
+from parakit.grading import codec, compare_values
 
 PREFIX = struct.Struct("!IQ")
 
@@ -174,3 +174,60 @@ def test_decode_refuses_hostile_values_as_codec_errors(header, payload, why):
 def test_decode_keeps_nan_and_infinite_floats():
     back = codec.decode(*codec.encode([float("nan"), float("inf"), -float("inf")]))
     assert back[0] != back[0] and back[1:] == [float("inf"), -float("inf")]
+
+
+# ---------------------------------------------------------------------------- comparisons
+
+def differs(got, expected, rtol=None, atol=None) -> str:
+    """compare_values' message, or "" where it finds them equal."""
+    try:
+        compare_values(got, expected, "f", rtol, atol)
+    except AssertionError as error:
+        return str(error)
+    return ""
+
+
+def test_compare_values_tells_a_nested_tuple_from_a_list():
+    assert differs([[1, 2]], [(1, 2)]) == "f: item [0] is a list, the reference's a tuple"
+    assert differs({"a": (torch.ones(2),)}, {"a": [torch.ones(2)]}) == "f: item ['a'] is a tuple, the reference's a list"
+
+
+def test_compare_values_finds_equal_strings_equal():
+    assert differs(["ring", "tree"], ["ring", "tree"]) == ""
+    assert differs({"algo": "ring"}, {"algo": "tree"}) == "f: item ['algo'] is 'ring', the reference's 'tree'"
+
+
+def test_compare_values_does_not_pass_zeros_for_values_below_atol():
+    expected = torch.full((4,), 1e-7)
+    assert differs(torch.zeros(4), expected) == (
+        "f: 4 of 4 elements differ, the first at [0] (got 0, expected 1e-07); the reference's values are all below "
+        "atol 1e-05, so atol counts at their scale: 1e-12")
+    assert differs(expected * (1 + 1e-7), expected) == ""
+    assert differs(0.0, 1e-9) == "f: the result is 0.0, the reference's 1e-09"
+
+
+def test_compare_values_keeps_atol_for_an_all_zero_reference():
+    assert differs(torch.full((3,), 1e-6), torch.zeros(3)) == ""
+
+
+def test_compare_values_names_missing_and_extra_dict_keys():
+    assert differs({"a": 1}, {"a": 1, "b": 2}) == "f: the result lacks the key 'b'"
+    assert differs({"a": 1, "c": 3}, {"a": 1}) == "f: the result has a key 'c' the reference's does not"
+
+
+@pytest.mark.parametrize("got, expected, why", [
+    ([True], [1], "item [0] is a bool, the reference's a int"),
+    ([1.0], [1], "item [0] is a float, the reference's a int"),
+    ([float("nan")], [float("nan")], "item [0] is nan, the reference's nan"),
+    ((torch.ones(2, dtype=torch.int64),), (torch.ones(2),), "item [0]: a torch.int64 tensor of shape [2]"),
+])
+def test_compare_values_keeps_types_and_refuses_nan(got, expected, why):
+    assert why in differs(got, expected)
+
+
+def test_compare_values_keeps_the_first_differing_element():
+    expected = torch.arange(8.0).view(2, 4)
+    got = expected.clone()
+    got[1, 2] += 1
+    assert differs((got,), (expected,)) == \
+        "f: item [0]: 1 of 8 elements differ, the first at [1, 2] (got 7, expected 6)"

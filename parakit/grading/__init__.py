@@ -221,50 +221,107 @@ def _trip_message(fn, forbidden, why) -> str:
 
 def compare_values(got, expected, what: str, rtol, atol, parts: int | None = None,
                    traffic: list[tuple[Traffic, Traffic]] | None = None) -> None:
-    """Raise AssertionError unless `got` equals `expected` (type, dtype, shape, values to
-    rtol/atol), saying where they differ: the item, the first element, the chunk when a
-    tensor is cut in `parts` pieces (one per rank), and how each rank's messages differ
-    from the reference's when `traffic` (mine, theirs per rank) is given."""
+    """Raise AssertionError unless `got` equals `expected`, saying where they differ: the
+    item, the first element, the chunk when a tensor is cut in `parts` pieces (one per rank),
+    and how each rank's messages differ from the reference's when `traffic` (mine, theirs
+    per rank) is given.
+
+    Equal means: the same type at every level (a list is not a tuple, a bool not an int, an
+    int not a float), dicts with the same keys, equal strings, ints and None; floats and
+    tensors (same dtype, shape and device; a nested Parameter may stand for a tensor) close
+    to rtol/atol, by default the dtype's as in `torch.testing.assert_close`, NaN never
+    close. Where every expected value is nearer zero than atol (largest magnitude s, 0 < s
+    < atol), zeros would pass on atol alone: then atol counts at that scale, as atol * s."""
     if type(got) is not type(expected):
         raise AssertionError(f"{what}: returned a {type(got).__name__}, expected a {type(expected).__name__}")
-    try:
-        torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
-    except AssertionError as error:
-        where = _first_difference(got, expected, rtol, atol, parts) or str(error).splitlines()[0]
-        raise AssertionError(f"{what}: {where}{_traffic_difference(traffic or [])}") from None
+    where = _first_difference(got, expected, rtol, atol, parts)
+    if where:
+        raise AssertionError(f"{what}: {where}{_traffic_difference(traffic or [])}")
 
 
 _TOLERANCE = {torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float32: (1.3e-6, 1e-5),
-              torch.float64: (1e-7, 1e-7)}
+              torch.float64: (1e-7, 1e-7), torch.complex64: (1.3e-6, 1e-5), torch.complex128: (1e-7, 1e-7)}
 
 
 def _first_difference(got, expected, rtol, atol, parts, path: str = "") -> str | None:
-    """The first place two nested values differ, in words (None where they do not, or it cannot tell)."""
-    if isinstance(got, (list, tuple)) and isinstance(expected, (list, tuple)):
+    """The first place two nested values differ, in words (None where they are equal)."""
+    name = f"item {path}" if path else "the result"
+    if isinstance(got, torch.Tensor) and isinstance(expected, torch.Tensor):
+        return _tensor_difference(got, expected, rtol, atol, parts, f"item {path}: " if path else "")
+    if type(got) is not type(expected):
+        return f"{name} is a {type(got).__name__}, the reference's a {type(expected).__name__}"
+    if isinstance(got, (list, tuple)):
         if len(got) != len(expected):
-            return f"{path or 'the result'} has {len(got)} items, the reference's {len(expected)}"
-        for i, (a, b) in enumerate(zip(got, expected)):
-            found = _first_difference(a, b, rtol, atol, parts, f"{path}[{i}]")
-            if found:
-                return found
+            return f"{name} has {len(got)} items, the reference's {len(expected)}"
+        return _first_of(((a, b, f"{path}[{i}]") for i, (a, b) in enumerate(zip(got, expected))), rtol, atol, parts)
+    if isinstance(got, dict):
+        return _key_difference(got, expected, name) or \
+            _first_of(((got[k], expected[k], f"{path}[{k!r}]") for k in expected), rtol, atol, parts)
+    if type(got).__module__ == "numpy" and hasattr(got, "dtype"):  # arrays and numpy scalars: as tensors
+        return _tensor_difference(torch.as_tensor(got), torch.as_tensor(expected), rtol, atol, parts,
+                                  f"item {path}: " if path else "")
+    if isinstance(got, (float, complex)) and _scalar_close(got, expected, rtol, atol):
         return None
-    if isinstance(got, dict) and isinstance(expected, dict):
-        for key in expected:
-            found = _first_difference(got.get(key), expected[key], rtol, atol, parts, f"{path}[{key!r}]")
-            if found:
-                return found
-        return None
-    if not (isinstance(got, torch.Tensor) and isinstance(expected, torch.Tensor)):
-        return None if got == expected else f"{path or 'the result'} is {got!r}, the reference's {expected!r}"
-    item = f"item {path}: " if path else ""
-    if got.shape != expected.shape or got.dtype != expected.dtype:
-        return f"{item}a {got.dtype} tensor of shape {list(got.shape)}, the reference's a {expected.dtype} of " \
-               f"shape {list(expected.shape)}"
+    return None if _equal(got, expected) else f"{name} is {got!r}, the reference's {expected!r}"
+
+
+def _first_of(pairs, rtol, atol, parts) -> str | None:
+    for a, b, path in pairs:
+        found = _first_difference(a, b, rtol, atol, parts, path)
+        if found:
+            return found
+    return None
+
+
+def _key_difference(got: dict, expected: dict, name: str) -> str | None:
+    missing = [k for k in expected if k not in got]
+    if missing:
+        return f"{name} lacks the key {missing[0]!r}"
+    extra = [k for k in got if k not in expected]
+    return f"{name} has a key {extra[0]!r} the reference's does not" if extra else None
+
+
+def _equal(got, expected) -> bool:
+    try:
+        return bool(got == expected)
+    except Exception:  # an object whose == does not give one answer (an array, say): not equal here
+        return False
+
+
+def _scalar_close(got, expected, rtol, atol) -> bool:
+    """A Python float (or complex) within float64's tolerances of the expected one."""
+    r, t = _tolerances(torch.float64, rtol, atol)
+    t = _at_scale(t, abs(expected))
+    return got == expected or abs(got - expected) <= t + r * abs(expected)
+
+
+def _tolerances(dtype: torch.dtype, rtol, atol) -> tuple[float, float]:
+    """(rtol, atol) as given, else the dtype's defaults (assert_close's)."""
+    r, t = _TOLERANCE.get(dtype, (0.0, 0.0))
+    return rtol if rtol is not None else r, atol if atol is not None else t
+
+
+def _at_scale(atol: float, scale: float) -> float:
+    """atol, or atol * scale where every expected value is nearer zero than atol (0 < scale < atol)."""
+    return atol * scale if 0 < scale < atol else atol
+
+
+def _tensor_difference(got: torch.Tensor, expected: torch.Tensor, rtol, atol, parts, item: str) -> str | None:
+    """The first element where two tensors differ, in words (None where they are close)."""
+    if got.shape != expected.shape or got.dtype != expected.dtype or got.device != expected.device:
+        return f"{item}a {got.dtype} tensor of shape {list(got.shape)} on {got.device}, the reference's a " \
+               f"{expected.dtype} of shape {list(expected.shape)} on {expected.device}"
     a, b = got.detach().cpu().reshape(-1), expected.detach().cpu().reshape(-1)
-    if a.is_floating_point():
-        r, t = _TOLERANCE.get(a.dtype, (0, 0))
-        wrong = ~torch.isclose(a, b, rtol=rtol if rtol is not None else r, atol=atol if atol is not None else t,
-                               equal_nan=True)
+    note = ""
+    if a.is_floating_point() or a.is_complex():
+        wide = torch.complex128 if a.is_complex() else torch.float64
+        a, b = a.to(wide), b.to(wide)
+        finite = b[b.isfinite()].abs()
+        scale = float(finite.max()) if finite.numel() else 0.0
+        r, t = _tolerances(expected.dtype, rtol, atol)
+        wrong = ~torch.isclose(a, b, rtol=r, atol=_at_scale(t, scale))
+        if _at_scale(t, scale) != t:
+            note = f"; the reference's values are all below atol {t:g}, so atol counts at their scale: {t * scale:.3g}"
     else:
         wrong = a != b
     index = wrong.nonzero().flatten().tolist()
@@ -272,7 +329,7 @@ def _first_difference(got, expected, rtol, atol, parts, path: str = "") -> str |
         return None
     first = list(torch.unravel_index(torch.tensor(index[0]), expected.shape)) if expected.dim() else []
     text = (f"{item}{len(index)} of {a.numel()} elements differ, the first at {[int(i) for i in first]} "
-            f"(got {a[index[0]].item():.6g}, expected {b[index[0]].item():.6g})")
+            f"(got {a[index[0]].item():.6g}, expected {b[index[0]].item():.6g}){note}")
     if parts and parts > 1 and a.numel() >= parts:
         bounds = torch.tensor([len(c) for c in a.tensor_split(parts)]).cumsum(0)
         chunks = sorted({int(torch.searchsorted(bounds, i, right=True)) for i in index})
