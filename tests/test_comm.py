@@ -147,7 +147,8 @@ def send_while_another_thread_receives():
         if dist.get_rank() == 0:
             receiver = threading.Thread(target=dist.recv, args=(torch.empty(3), 1))
             receiver.start()
-            time.sleep(0.2)  # the receiver thread waits inside recv now
+            while comm.TRACKER.current is None:  # until the receiver thread is inside recv: two calls in flight
+                time.sleep(0.001)
             dist.send(torch.ones(2), 1)
             receiver.join()
         else:
