@@ -28,8 +28,9 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def wait_gone(pids, timeout: float = 5.0) -> list[int]:
-    """Poll until every pid is gone or `timeout` s have passed; return those still alive."""
+def wait_gone(pids, timeout: float = 60.0) -> list[int]:
+    """Poll until every pid is gone or `timeout` s have passed; return those still alive.
+    The default (was 5 s) bounds a hang only: it returns as soon as they are gone."""
     deadline = time.monotonic() + timeout
     alive = [p for p in pids if pid_alive(p)]
     while alive and time.monotonic() < deadline:
