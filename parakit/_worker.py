@@ -160,8 +160,10 @@ def _sync_caller_context(cwd, path, sources):
 
 
 def _send(conn, message) -> None:
-    with _send_lock:
-        conn.send_bytes(pickle.dumps(message))
+    data = pickle.dumps(message)
+    with _send_lock:  # not the program's bytes: comm.written_bytes leaves them out (with send_bytes' length prefix)
+        comm.LAUNCHER_WRITES[0] += len(data) + (4 if len(data) <= 0x7FFFFFFF else 12)
+        conn.send_bytes(data)
 
 
 def _redirect_output(out_w, err_w) -> None:

@@ -39,10 +39,13 @@ __all__ = ["CommLog", "CommRecord", "ring_all_reduce", "all_reduce_two_phase", "
            "written_bytes", "TRACKER"]
 
 _PROC_IO = "/proc/self/io"
+LAUNCHER_WRITES = [0]  # bytes parakit's launcher wrote from this process for itself (a rank's status answers)
 
 
 def written_bytes() -> int | None:
     """Bytes this process has written so far, by the OS's count (`wchar` of /proc/self/io),
+    less what parakit's launcher wrote for itself (`LAUNCHER_WRITES`: a worker's answers to
+    "where are you?", which come only when a call runs long, so more on a loaded machine),
     or None where the platform has no such file (macOS, Windows).
 
     `wchar` counts every byte any thread of the process handed to write-like system calls
@@ -54,7 +57,7 @@ def written_bytes() -> int | None:
         with open(_PROC_IO, "rb") as f:
             for line in f:
                 if line.startswith(b"wchar:"):
-                    return int(line.split()[1])
+                    return int(line.split()[1]) - LAUNCHER_WRITES[0]
     except OSError:
         return None
     return None

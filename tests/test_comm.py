@@ -157,6 +157,19 @@ def send_while_another_thread_receives():
     return sorted(r.op for r in log.records)
 
 
+def quiet_while_the_launcher_asks_where_it_is():
+    with CommLog() as log:
+        time.sleep(1.5)  # past STATUS_AFTER, so the caller asks "where are you?" a few times
+    return log.written_bytes(), comm.LAUNCHER_WRITES[0]
+
+
+def test_written_bytes_leave_out_the_launchers_own_status_answers():
+    """A rank that sends nothing writes nothing, though it answered the caller's status
+    questions meanwhile (on a loaded machine every call runs long enough to be asked)."""
+    for written, answered in parakit.launch(quiet_while_the_launcher_asks_where_it_is, world_size=2):
+        assert written == 0 and answered > 0
+
+
 def test_calls_from_two_threads_are_each_recorded():
     assert parakit.launch(send_while_another_thread_receives, world_size=2) == [["recv", "send"]] * 2
 
