@@ -35,6 +35,7 @@ from nbgrader.validator import Validator
 from traitlets.config.loader import PyFileConfigLoader
 
 from autograde.sealed import Result, Task, course_salt, grade_all, inspect_submission, read_submission, restore, snapshot
+from parakit.grading import isolation
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -335,6 +336,11 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
         found, strays, notes = collect(submissions, list(released))
         guarded = [Path(parakit_dir()), course.solutions, *Path(HERE).glob("*.py")]
         kept = snapshot(guarded)
+        unsealed = isolation.unavailable()
+        if unsealed:
+            print(f"WARNING: these grades are NOT SEALED: {unsealed}. Students' code will run without the "
+                  f"operating system's walls (namespaces, a filesystem view of its own, no new processes); "
+                  f"grade as root on Linux for sealed grades. Every report line says so.", file=sys.stderr, flush=True)
         scratch = tempfile.mkdtemp(prefix="parakit-grading-")
         hidden = [parakit_dir(), str(course.solutions), str(course.root), str(submissions.resolve()),
                   str(out.resolve()), scratch, *(str(REPO / d) for d in ("solutions", "autograde", "tests"))]

@@ -6,7 +6,9 @@ notebook can reach the checks in its own kernel (replace them, switch the tripwi
 fake the comparison, read the reference's result) and the ways a process can reach beyond
 itself (a result whose unpickling runs code, a process left running, writes into the
 course, C code through ctypes, the solutions read from disk, a forbidden call from a
-thread, a faked tensor). `SIDE_EFFECTS` names what none of them may leave behind.
+thread, a faked tensor), and the ways past the audit hook that only the operating system's
+walls stop (a process started by _posixsubprocess, a read through a folder's descriptor,
+a signal to the process group). `SIDE_EFFECTS` names what none of them may leave behind.
 """
 from __future__ import annotations
 
@@ -124,6 +126,33 @@ def ring_all_reduce(tensor):
     thread.start()
     thread.join()
     return box[0]
+'''),
+    "spawns_past_the_hook": ("ring_all_reduce", '''import os, sys, multiprocessing.util
+READ = ("import json, os, pathlib, parakit; root = pathlib.Path(parakit.__file__).resolve().parents[1]; "
+        "cells = json.loads((root / 'solutions' / '00_collectives.ipynb').read_text())['cells']; "
+        "os.write({fd}, next(''.join(c['source']) for c in cells if 'def ring_all_reduce' in ''.join(c['source'])).encode())")
+def ring_all_reduce(tensor):
+    r, w = os.pipe()                                 # _posixsubprocess.fork_exec: no audit event
+    multiprocessing.util.spawnv_passfds(os.fsencode(sys.executable), [sys.executable, "-c", READ.format(fd=w)], [w])
+    os.close(w)
+    source = b"".join(iter(lambda: os.read(r, 1 << 16), b"")).decode()
+    scope = {"dist": dist, "torch": torch}
+    exec(source, scope)
+    return scope["ring_all_reduce"](tensor)
+'''),
+    "reads_through_a_folder_fd": ("ring_all_reduce", '''import json, os, pathlib, parakit
+def ring_all_reduce(tensor):
+    root = os.open(pathlib.Path(parakit.__file__).resolve().parents[1], os.O_RDONLY | os.O_DIRECTORY)
+    with open("solutions/00_collectives.ipynb", opener=lambda path, flags: os.open(path, flags, dir_fd=root)) as f:
+        cells = json.load(f)["cells"]
+    scope = {"dist": dist, "torch": torch}
+    exec(next("".join(c["source"]) for c in cells if "def ring_all_reduce" in "".join(c["source"])), scope)
+    return scope["ring_all_reduce"](tensor)
+'''),
+    "kills_its_process_group": ("all_reduce_two_phase", '''import os, signal
+def all_reduce_two_phase(tensor):
+    os.killpg(0, signal.SIGKILL)                     # once the zygote's group: every rank and the zygote
+    return tensor
 '''),
     "c10d_method": ("ring_all_reduce", '''def ring_all_reduce(tensor):
     dist.group.WORLD.allreduce([tensor]).wait()    # the process group's own method, no Python wrapper

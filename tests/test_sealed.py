@@ -134,7 +134,7 @@ ATTEMPTS = {
     "read the course": f"open({comm.__file__!r}).read()",
     "ctypes": "import ctypes\nctypes.pythonapi.Py_GetVersion()",
     "new code": "def f():\n    pass\nf.__code__ = (lambda: 1).__code__",
-    "another process's memory": "open('/proc/1/environ').read()",
+    "another process's memory": "open('/proc/2/environ').read()",  # confined, the rank itself is 1
 }
 
 

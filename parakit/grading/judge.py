@@ -293,6 +293,9 @@ class Judge:
             finally:
                 grading.SEALED.clear()
         notes += self.copies(answers, sealed.references)
+        if self.runners()[1].unsealed:
+            notes.append(f"NOT SEALED: the student's code ran without the operating system's walls "
+                         f"({self.runners()[1].unsealed}); only the in-process jail held it")
         return verdicts, notes
 
     def definitions(self, gid: str, source: str) -> list[str]:

@@ -14,7 +14,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from parakit.grading import codec, sandbox
+from parakit.grading import codec, isolation, sandbox
 from parakit.grading.broker import Broker, Call
 
 __all__ = ["JudgeConfig", "Run", "Runner", "outcome"]
@@ -23,12 +23,14 @@ __all__ = ["JudgeConfig", "Run", "Runner", "outcome"]
 @dataclass
 class JudgeConfig:
     """How the judge runs: per-cell timeout, the course's folders a student's rank may not
-    read, where scratch folders go, and the salt that makes inputs unguessable."""
+    read, where scratch folders go, the salt that makes inputs unguessable, and whether a
+    student's ranks are confined by the operating system."""
 
     cell_timeout: float = 300.0
     hidden: list[str] = field(default_factory=list)
     scratch: str | None = None
     salt: str = "parakit"
+    confine: bool = True  # a student's ranks in the OS's walls (`isolation`) where the machine allows
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Runner:
 
     def __init__(self, config: JudgeConfig):
         self.config, self.zygote = config, sandbox.Zygote()
+        self.unsealed = isolation.unavailable() if config.confine else "confinement was switched off"
 
     def close(self):
         self.zygote.close()
@@ -62,7 +65,8 @@ class Runner:
                 scratch = os.path.join(folder, f"rank{rank}")
                 os.mkdir(scratch)
                 pids.append(self.zygote.fork({"rank": rank, "world_size": world_size, "path": broker.server.getsockname(),
-                                              "token": tokens[rank], "scratch": scratch, "job": job}))
+                                              "token": tokens[rank], "scratch": scratch, "job": job,
+                                              "confine": self.unsealed is None}))
             clock = _Clock(timeout, broker, per_note)
             broker.serve(lambda: len(broker.results) == world_size or clock.expired(), _IdleWatch(pids))
             self.zygote.sweep()

@@ -14,10 +14,12 @@ student's first line runs.
 from __future__ import annotations
 
 import copy
+import linecache
 import os
 import pickle
 import random
 import resource
+import signal
 import struct
 import subprocess
 import sys
@@ -119,7 +121,6 @@ def _zygote_main() -> None:
     import ctypes
     import importlib
     import pkgutil
-    import signal
 
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)   # PR_SET_CHILD_SUBREAPER: orphans come to us
     import cloudpickle  # noqa: F401
@@ -145,9 +146,7 @@ def _zygote_main() -> None:
         if "sweep" in message:
             answer = _kill_children()
         else:
-            answer = os.fork()
-            if answer == 0:
-                _child(message["fork"])
+            answer = _fork(message["fork"])
         stdout.write(f"{answer}\n".encode())
         stdout.flush()
 
@@ -171,6 +170,41 @@ def _warm_up() -> None:
                       torch.optim.AdamW(model.parameters(), lr=0.1)):
         model(torch.randn(1, 2)).square().sum().backward()
         optimizer.step()
+
+
+def _fork(spec: dict) -> int:
+    """Fork a child for `spec`; its pid. A student's rank is confined where the machine
+    allows (`isolation`): the child enters new namespaces and forks the rank, process 1
+    there, whose pid (as the zygote sees it) comes back through a pipe; the child waits."""
+    if not (spec["job"].locked and spec.get("confine")):
+        pid = os.fork()
+        if pid == 0:
+            _child(spec)
+        return pid
+    from parakit.grading import isolation
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the zygote's handler would reap the rank
+        try:
+            rank = isolation.enter_pid_namespace()
+        except BaseException:  # noqa: BLE001 (the judge reads the failure from the pipe)
+            os.write(write, b"0")
+            os._exit(1)
+        if rank == 0:
+            os.close(write)
+            _child(spec)
+        os.write(write, str(rank).encode())
+        os.close(write)
+        _, status = os.waitpid(rank, 0)
+        os._exit(0 if os.WIFEXITED(status) else 1)
+    os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        rank = int(answer.read() or b"0")
+    if rank == 0:
+        raise RuntimeError("a rank could not enter its namespaces")
+    return rank
 
 
 def _reap() -> None:
@@ -204,7 +238,6 @@ def _descendants() -> list[int]:
 
 def _kill_children() -> int:
     """SIGKILL every process below the zygote until none is left twice in a row; how many."""
-    import signal
     import time
     killed, empty = set(), 0
     for _ in range(400):
@@ -226,8 +259,10 @@ def _kill_children() -> int:
 # ---------------------------------------------------------------------------- a child
 
 def _child(spec: dict) -> None:
-    """Run one rank of a job and exit; never returns."""
+    """Run one rank of a job and exit; never returns. It leads a process group of its own,
+    so a rank that signals its group (os.killpg(0, ...)) reaches only itself."""
     try:
+        os.setsid()
         _isolate(spec["scratch"], spec["rank"])
         _run(spec)
     except BaseException:  # noqa: BLE001 (the process ends here whatever happened)
@@ -240,7 +275,6 @@ def _child(spec: dict) -> None:
 
 def _isolate(scratch: str, rank: int) -> None:
     """Close what the zygote holds open; output to a capped file; work in `scratch`."""
-    import signal
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.closerange(3, 65536)
     log = os.open(os.path.join(scratch, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -261,11 +295,17 @@ def _run(spec: dict) -> None:
     import cloudpickle
     import torch
     import torch.distributed as dist
+    import parakit
     from parakit.grading import codec, jail, relay
 
     torch.set_num_threads(1)
     rank, world_size, job = spec["rank"], spec["world_size"], spec["job"]
     link = relay.connect(spec["path"], rank, spec["token"])
+    if job.locked and spec.get("confine"):  # the OS's walls first (the link is connected already)
+        from parakit.grading import isolation
+        linecache.clearcache()
+        isolation.confine(spec["scratch"], [sys.base_prefix, sys.prefix], [*parakit.__path__, *job.hidden],
+                          isolation.Limits())
     dist.init_process_group(relay.BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
 
     def seal():  # the instructor's setup has run; from the student's first line on:
