@@ -196,3 +196,31 @@ def test_a_rank_that_leaves_a_process_behind_is_cleaned_up(runner, tmp_path):
     run(runner, lambda: None, world_size=1, cells=[cell])   # not locked: the fork succeeds
     from conftest import wait_gone
     assert pid_file.exists() and wait_gone([int(pid_file.read_text())], timeout=5) == []
+
+
+def takes(seconds):
+    def inputs(r):
+        return (seconds,)
+    return inputs
+
+
+def sleep_then_one(seconds):
+    import time
+    time.sleep(seconds)
+    return 1
+
+
+def test_a_check_waits_ten_times_the_references_time_so_a_slowed_right_answer_keeps_its_marks(runner):
+    """The reference takes about 1 s here; a check with a 0.5 s timeout still lets the student
+    take 2 s (a loaded machine slows both alike), and refuses one that takes 60."""
+    from parakit.grading.judge import Sealed
+    student = Runner(JudgeConfig())
+    try:
+        sealed = Sealed(runner, student, [], [], {})
+        slow = lambda seconds: sleep_then_one(2 * seconds)  # noqa: E731
+        sealed.check(slow, sleep_then_one, takes(1.0), world_sizes=(1,), trials=1, timeout=0.5)
+        never = lambda seconds: sleep_then_one(60 * seconds)  # noqa: E731
+        with pytest.raises(AssertionError, match=r"did not finish within 1\d\.\d+ s"):
+            sealed.check(never, sleep_then_one, takes(1.0), world_sizes=(1,), trials=1, timeout=0.5)
+    finally:
+        student.close()

@@ -21,8 +21,10 @@ import contextlib
 import difflib
 import hashlib
 import io
+import math
 import random
 import threading
+import time
 from dataclasses import dataclass
 
 import cloudpickle
@@ -73,6 +75,9 @@ class Verdict:
     message: str = ""
 
 
+REFERENCE_TIMES = 10  # a student's run may take this many times the reference's on the same input
+
+
 class Sealed:
     """`grading.check` and `check_local` as the judge runs them, for one submission."""
 
@@ -83,17 +88,29 @@ class Sealed:
         self.references: list = []      # the reference callables the checks used (for the copy report)
 
     def _pair(self, student_job, reference_job, world_size, timeout) -> tuple[Run, Run]:
+        """The student's run and the reference's, side by side (the reference once per input).
+        The student's limit is `timeout` or REFERENCE_TIMES the reference's own time on the same
+        input, whichever is longer, and does not run out while the reference still runs: a
+        loaded machine slows both alike, so it never zeroes a right answer. The reference (the
+        instructor's code) is bounded only against a hang, at REFERENCE_TIMES x `timeout`."""
         key = hashlib.sha256(reference_job.call + bytes([world_size])).hexdigest()
-        box = {}
         thread = None
         if key not in self.cache:
-            thread = threading.Thread(target=lambda: box.update(ref=self.reference.run(reference_job, world_size, timeout)))
+            def reference():
+                start = time.monotonic()
+                try:
+                    run = self.reference.run(reference_job, world_size, REFERENCE_TIMES * timeout)
+                except Exception as error:  # noqa: BLE001: said as the reference's failure, the limit set
+                    run = Run([None] * world_size, [[] for _ in range(world_size)], [[] for _ in range(world_size)],
+                              f"its run raised {type(error).__name__}: {error}")
+                self.cache[key] = (run, time.monotonic() - start)
+            thread = threading.Thread(target=reference)
             thread.start()
-        mine = self.student.run(student_job, world_size, timeout)
+        limit = lambda: max(timeout, REFERENCE_TIMES * self.cache[key][1]) if key in self.cache else math.inf  # noqa: E731
+        mine = self.student.run(student_job, world_size, limit)
         if thread is not None:
             thread.join()
-            self.cache[key] = box["ref"]
-        return mine, self.cache[key]
+        return mine, self.cache[key][0]
 
     def _jobs(self, call_student: bytes, call_reference: bytes, local: bool, forbid, name: str):
         withheld = [(f, f"{name} called {_where(f)}, which this exercise forbids: {why}") for f, why in forbid.items()]

@@ -53,9 +53,10 @@ class Runner:
     def close(self):
         self.zygote.close()
 
-    def run(self, job: sandbox.Job, world_size: int, timeout: float, per_note: bool = False) -> Run:
+    def run(self, job: sandbox.Job, world_size: int, timeout, per_note: bool = False) -> Run:
         """`job` on `world_size` new ranks; at most `timeout` s (with `per_note`, counted
-        from the last note a rank sent: a cell's time, for a job that reports its cells)."""
+        from the last note a rank sent: a cell's time, for a job that reports its cells).
+        `timeout` may be a function, asked again at each look: a limit that can still grow."""
         folder = tempfile.mkdtemp(prefix="sealed-", dir=self.config.scratch)
         try:
             tokens = [secrets.token_hex(16) for _ in range(world_size)]
@@ -74,7 +75,7 @@ class Runner:
             values = [_decode(broker.results.get(r)) for r in range(world_size)]
             failure = broker.failure
             if failure is None and clock.expired() and None in values:
-                failure = f"did not finish within {timeout:g} s"
+                failure = f"did not finish within {clock.limit():g} s"
             for rank, value in enumerate(values):
                 if value is None and failure is None:
                     failure = f"rank {rank} ended without a result: its process died{_tail(folder, rank)}"
@@ -85,13 +86,14 @@ class Runner:
 
 class _Clock:
     def __init__(self, timeout, broker, per_note):
-        self.timeout, self.broker, self.per_note = timeout, broker, per_note
+        self.limit = timeout if callable(timeout) else lambda: timeout
+        self.broker, self.per_note = broker, per_note
         self.start, self.seen = time.monotonic(), 0
 
     def expired(self) -> bool:
         if self.per_note and len(self.broker.notes.get(0, [])) != self.seen:
             self.seen, self.start = len(self.broker.notes[0]), time.monotonic()
-        return time.monotonic() - self.start > self.timeout
+        return time.monotonic() - self.start > self.limit()
 
 
 class _IdleWatch:
