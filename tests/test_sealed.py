@@ -195,7 +195,7 @@ def test_a_rank_that_leaves_a_process_behind_is_cleaned_up(runner, tmp_path):
             f"while not os.path.exists({str(pid_file)!r}):\n    time.sleep(0.01)")
     run(runner, lambda: None, world_size=1, cells=[cell])   # not locked: the fork succeeds
     from conftest import wait_gone
-    assert pid_file.exists() and wait_gone([int(pid_file.read_text())], timeout=5) == []
+    assert pid_file.exists() and wait_gone([int(pid_file.read_text())]) == []  # polls; 60 s bounds a hang
 
 
 def takes(seconds):
@@ -222,5 +222,56 @@ def test_a_check_waits_ten_times_the_references_time_so_a_slowed_right_answer_ke
         never = lambda seconds: sleep_then_one(60 * seconds)  # noqa: E731
         with pytest.raises(AssertionError, match=r"did not finish within 1\d\.\d+ s"):
             sealed.check(never, sleep_then_one, takes(1.0), world_sizes=(1,), trials=1, timeout=0.5)
+    finally:
+        student.close()
+
+
+def gradients_reduced(how: str, sizes):
+    """A tiny MLP's backward on this rank, its gradients all-reduced `how`: "async" (each as its
+    hook fires, waited after backward), "async_reversed" (the same, waited in reverse),
+    "blocking" (each waited in its hook), "last_hook" (all started at the last hook)."""
+    import torch
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])])
+    params, pending, ready = list(net.parameters()), [], []
+
+    def hook(param):
+        if how == "blocking":
+            dist.all_reduce(param.grad)
+        elif how.startswith("async"):
+            pending.append(dist.all_reduce(param.grad, async_op=True))
+        else:
+            ready.append(param)
+            if len(ready) == len(params):
+                pending.extend(dist.all_reduce(p.grad, async_op=True) for p in ready)
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+    net(torch.ones(2, sizes[0]) * (dist.get_rank() + 1)).square().sum().backward()
+    for work in (reversed(pending) if how == "async_reversed" else pending):
+        work.wait()
+    return [p.grad for p in params]
+
+
+def overlap_inputs(how):
+    def inputs(r):
+        return how, [r.randint(2, 6) for _ in range(3)]
+    return inputs
+
+
+def test_the_relay_sees_which_calls_overlapped_the_backward_and_a_check_can_ask_for_it(runner):
+    from parakit.grading.judge import Sealed
+    student = Runner(JudgeConfig())
+    try:
+        sealed = Sealed(runner, student, [], [], {})
+        for right in ("async", "async_reversed"):  # another valid order of waits keeps full marks
+            sealed.check(lambda how, sizes: gradients_reduced(right, sizes), gradients_reduced, overlap_inputs("async"),
+                         world_sizes=(2,), trials=1, same_traffic=True, same_overlap=True)
+        for wrong in ("blocking", "last_hook"):  # the right values and traffic, no overlap
+            with pytest.raises(AssertionError, match=r"rank 0: 0 of its 4 calls were in flight while the backward "
+                                                     r"went on; the reference's 3 of 4"):
+                sealed.check(lambda how, sizes: gradients_reduced(wrong, sizes), gradients_reduced,
+                             overlap_inputs("async"), world_sizes=(2,), trials=1, same_traffic=True, same_overlap=True)
     finally:
         student.close()

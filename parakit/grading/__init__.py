@@ -35,7 +35,7 @@ from parakit import comm, launcher
 from parakit.grading.jail import Tripwire
 
 __all__ = ["check", "check_local", "InputContext", "Traffic", "Tripwire", "compare_values", "compare_traffic",
-           "kind_of", "SEALED"]
+           "compare_overlap", "kind_of", "SEALED"]
 
 SEALED: list = []  # while the sealed judge runs a test cell: its `Sealed`, which runs the checks instead
 
@@ -43,19 +43,24 @@ SEALED: list = []  # while the sealed judge runs a test cell: its `Sealed`, whic
 def check(student: Callable, reference: Callable, make_inputs: Callable, *, world_sizes: Iterable[int] = (2, 4),
           trials: int = 2, forbid: dict[Callable, str] | None = None, timeout: float = 60.0,
           rtol: float | None = None, atol: float | None = None, same_traffic: bool = False,
-          quiet: bool = False) -> None:
+          same_order: bool = False, same_overlap: bool = False, quiet: bool = False) -> None:
     """Compare `student(*inputs)` with `reference(*inputs)` on every rank, for each world size.
 
     `make_inputs(r)` returns the tuple of arguments for one rank, given an `InputContext`
     `r` (its rank, world size, a generator `r.shared` seeded alike on every rank for shapes,
     and `r.local` seeded per rank for values); both functions get their own deep copy.
     `forbid` maps forbidden functions to the reason. `same_traffic`: the communication must
-    match too (see the module's docstring). Raises AssertionError (or Tripwire) naming the
+    match too (see the module's docstring); `same_order`: each rank's calls, one by one, in
+    the reference's order, each of the same kind, with the same peer and bytes; `same_overlap`
+    (sealed grading only, where the relay sees it): as many of each rank's calls in flight
+    while its backward went on as the reference's (a blocking call, or one started at the
+    backward's last hook, overlaps nothing). Raises AssertionError (or Tripwire) naming the
     world size, trial and rank that differ.
     """
     if SEALED:
         return SEALED[0].check(student, reference, make_inputs, world_sizes=world_sizes, trials=trials,
-                               forbid=forbid, timeout=timeout, rtol=rtol, atol=atol, same_traffic=same_traffic)
+                               forbid=forbid, timeout=timeout, rtol=rtol, atol=atol, same_traffic=same_traffic,
+                               same_order=same_order, same_overlap=same_overlap)
     name = getattr(student, "__name__", "your function")
     world_sizes = list(world_sizes)
     for world_size in world_sizes:
@@ -72,9 +77,9 @@ def check(student: Callable, reference: Callable, make_inputs: Callable, *, worl
                 compare_values(got, expected, f"{name} on {world_size} ranks, rank {rank}, trial {trial + 1} "
                                               f"(seed {seed})", rtol, atol, world_size,
                                [traffic for _, _, traffic in runs])
-            if same_traffic:
+            if same_traffic or same_order:
                 compare_traffic([traffic for _, _, traffic in runs],
-                                 f"{name} on {world_size} ranks, trial {trial + 1} (seed {seed})")
+                                f"{name} on {world_size} ranks, trial {trial + 1} (seed {seed})", same_order)
     if not quiet:
         print(f"passed: {name} matches the reference on {', '.join(map(str, world_sizes))} ranks "
               f"({trials} random input{'s' if trials > 1 else ''} each)")
@@ -143,19 +148,24 @@ class Traffic:
     received_from: frozenset
     bytes_sent: int
     messages: int  # point-to-point sends
+    order: tuple = ()  # (kind, peer, bytes passed in) of each call, in order
+    overlapped: int | None = None  # calls in flight while the backward went on (None: not seen)
 
     @classmethod
     def of(cls, log: "comm.CommLog") -> "Traffic":
         return cls.of_calls(log.records)
 
     @classmethod
-    def of_calls(cls, calls) -> "Traffic":
-        """From a CommLog's records or the judge's relay `Call`s (both have op, peer and wire_bytes)."""
+    def of_calls(cls, calls, overlapped: list[bool] | None = None) -> "Traffic":
+        """From a CommLog's records or the judge's relay `Call`s (both have op, peer, nbytes and
+        wire_bytes), and the relay's flags of which calls overlapped the backward."""
         kinds = [kind_of(c.op) for c in calls]
         return cls(Counter(k for k in kinds if k not in ("send", "recv")),
                    frozenset(c.peer for c, k in zip(calls, kinds) if k == "send"),
                    frozenset(c.peer for c, k in zip(calls, kinds) if k == "recv"),
-                   sum(c.wire_bytes for c in calls), kinds.count("send"))
+                   sum(c.wire_bytes for c in calls), kinds.count("send"),
+                   tuple((k, c.peer, c.nbytes) for c, k in zip(calls, kinds)),
+                   None if overlapped is None else sum(overlapped))
 
 
 def kind_of(op: str) -> str:
@@ -169,10 +179,13 @@ def kind_of(op: str) -> str:
     return op
 
 
-def compare_traffic(traffic: list[tuple[Traffic, Traffic]], where: str) -> None:
+def compare_traffic(traffic: list[tuple[Traffic, Traffic]], where: str, order: bool = False) -> None:
     """Same collectives on each rank, point-to-point only with the reference's peers, and the
-    same bytes sent by all ranks together (how the bytes split over ranks may differ)."""
+    same bytes sent by all ranks together (how the bytes split over ranks may differ); with
+    `order`, each rank's calls one by one as the reference's (kind, peer, bytes)."""
     for rank, (mine, theirs) in enumerate(traffic):
+        if order and mine.order != theirs.order:
+            raise AssertionError(f"{where}, rank {rank}: {_order_difference(mine.order, theirs.order)}")
         if mine.collectives != theirs.collectives:
             raise AssertionError(f"{where}, rank {rank}: it called {_calls(mine.collectives)}; the reference calls "
                                  f"{_calls(theirs.collectives)}")
@@ -184,6 +197,28 @@ def compare_traffic(traffic: list[tuple[Traffic, Traffic]], where: str) -> None:
     got, want = (sum(t[i].bytes_sent for t in traffic) for i in (0, 1))
     if got != want:
         raise AssertionError(f"{where}: the ranks sent {got:,} bytes in all; the reference sends {want:,}")
+
+
+def compare_overlap(traffic: list[tuple[Traffic, Traffic]], where: str) -> None:
+    """As many calls in flight while the backward went on, on each rank, as the reference."""
+    for rank, (mine, theirs) in enumerate(traffic):
+        if mine.overlapped is not None and mine.overlapped != theirs.overlapped:
+            raise AssertionError(
+                f"{where}, rank {rank}: {mine.overlapped} of its {len(mine.order)} calls were in flight while the "
+                f"backward went on; the reference's {theirs.overlapped} of {len(theirs.order)}. Start each one "
+                f"(async_op=True) as soon as its gradients are ready, and wait only after the backward")
+
+
+def _order_difference(mine: tuple, theirs: tuple) -> str:
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        if a != b:
+            return f"its call #{i + 1} is {_call_text(a)}; the reference's is {_call_text(b)}"
+    return f"it made {len(mine)} calls; the reference makes {len(theirs)}"
+
+
+def _call_text(call: tuple) -> str:
+    kind, peer, nbytes = call
+    return f"a {kind}" + (f" with rank {peer}" if peer is not None else "") + f" of {nbytes:,} bytes"
 
 
 def _calls(collectives: Counter) -> str:

@@ -25,6 +25,7 @@ from parakit.grading.codec import (DTYPES, MAX_PAYLOAD, CodecError, recv_frame, 
 
 __all__ = ["Broker", "Call", "REDUCE"]
 
+MAX_NOTES = 1000  # notes kept per rank: a rank that floods notes is not read further
 REDUCE = {"SUM": torch.sum, "AVG": torch.mean, "PRODUCT": torch.prod,
           "MIN": lambda x, dim: x.amin(dim), "MAX": lambda x, dim: x.amax(dim)}
 
@@ -77,6 +78,8 @@ class Broker:
         self._slots: dict[tuple, dict[int, _Request]] = {}      # (ranks, n) -> member -> request
         self._seq: dict[tuple, int] = defaultdict(int)          # (rank, ranks) -> collectives made
         self._waiting: dict[int, dict[int, tuple]] = defaultdict(dict)  # rank -> request id -> (what, key)
+        self._events: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # rank -> (call index or -1, request id, node)
+        self._call_of: dict[int, dict[int, int]] = defaultdict(dict)  # rank -> request id -> its index in calls[rank]
         self.last_activity = time.monotonic()
 
     # -- serving
@@ -141,7 +144,11 @@ class Broker:
                 self.results[rank] = (header["result"], payload)
             return
         if "note" in header:
-            self.notes[rank].append(str(header["note"])[:2000])
+            if len(self.notes[rank]) < MAX_NOTES:
+                self.notes[rank].append(str(header["note"])[:2000])
+            return
+        if "wait" in header:
+            self._events[rank].append((-1, int(header["wait"]), int(header.get("node", 0))))
             return
         inputs, start = [], 0
         for meta in header["inputs"]:
@@ -153,6 +160,8 @@ class Broker:
         if rank not in ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
             raise ValueError(f"group {list(ranks)} does not hold rank {rank}")
         op = header["op"]
+        self._call_of[rank][request.rid] = len(self.calls[rank])
+        self._events[rank].append((len(self.calls[rank]), request.rid, int(header.get("node", 0))))
         self._record(rank, op, ranks, header, inputs)
         if op == "send":
             self._send(request, int(header["peer"]), int(header.get("tag", 0)))
@@ -174,6 +183,30 @@ class Broker:
         peer = header.get("peer")
         model = comm.ring_bytes(op, nbytes, n, me, root)
         self.calls[rank].append(Call(op, ranks, peer, root, nbytes, model))
+
+    def overlapped(self, rank: int) -> list[bool]:
+        """For each call of `rank`: whether its backward went on while it was in flight, that
+        is, whether the rank reached another autograd node (a later gradient's hook, say)
+        between the call's start and its first wait (or the run's end). A blocking call, or
+        one started at the backward's last hook and waited for after it, did not."""
+        events = self._events[rank]
+        first_wait: dict[int, int] = {}
+        for position, (index, rid, _) in enumerate(events):
+            if index < 0:
+                first_wait.setdefault(rid, position)
+        ahead: list[tuple[int, int]] = []  # the nearest later events of two different nodes (not 0)
+        reached = [len(events)] * len(events)  # position of the first later event at a node other than 0 and its own
+        for position in range(len(events) - 1, -1, -1):
+            node = events[position][2]
+            later = next((p for n, p in ahead if n != node), len(events))
+            reached[position] = later
+            if node:
+                ahead = [(node, position)] + [(n, p) for n, p in ahead if n != node][:1]
+        flags = [False] * len(self.calls[rank])
+        for position, (index, rid, _) in enumerate(events):
+            if index >= 0:
+                flags[index] = reached[position] <= first_wait.get(rid, len(events) - 1)
+        return flags
 
     # -- point to point
     def _send(self, request: _Request, dst: int, tag: int) -> None:

@@ -118,8 +118,8 @@ class Sealed:
         return student, sandbox.Job(call_reference, local)
 
     def check(self, student, reference, make_inputs, *, world_sizes=(2, 4), trials=2, forbid=None,
-              timeout=60.0, rtol=None, atol=None, same_traffic=False) -> None:
-        from parakit.grading import Traffic, compare_traffic, compare_values
+              timeout=60.0, rtol=None, atol=None, same_traffic=False, same_order=False, same_overlap=False) -> None:
+        from parakit.grading import Traffic, compare_overlap, compare_traffic, compare_values
         name, forbid = getattr(student, "__name__", "your function"), forbid or {}
         self.references.append(reference)
         for world_size in list(world_sizes):
@@ -131,14 +131,18 @@ class Sealed:
                 where = f"{name} on {world_size} ranks, trial {trial + 1}"
                 _raise_failures(mine, theirs, where)
                 _raise_forbidden(mine, theirs, forbid, name)
-                traffic = [(Traffic.of_calls(a), Traffic.of_calls(b)) for a, b in zip(mine.calls, theirs.calls)]
+                flags = [run.overlapped or [None] * len(run.calls) for run in (mine, theirs)]
+                traffic = [(Traffic.of_calls(a, fa), Traffic.of_calls(b, fb))
+                           for a, fa, b, fb in zip(mine.calls, flags[0], theirs.calls, flags[1])]
                 for rank, (got, expected) in enumerate(zip(mine.values, theirs.values)):
                     got = outcome(got)
                     _raise_error(got, f"{where}, rank {rank}")
                     compare_values(got["value"], expected["value"], f"{where}, rank {rank} (seed {seed})", rtol, atol,
                                    world_size, traffic)
-                if same_traffic:
-                    compare_traffic(traffic, f"{where} (seed {seed})")
+                if same_traffic or same_order:
+                    compare_traffic(traffic, f"{where} (seed {seed})", same_order)
+                if same_overlap:
+                    compare_overlap(traffic, f"{where} (seed {seed})")
 
     def check_local(self, student, reference, cases, *, forbid=None, rtol=None, atol=None) -> None:
         from parakit.grading import compare_values

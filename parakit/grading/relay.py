@@ -18,7 +18,6 @@ import threading
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 from parakit.grading.broker import REDUCE
@@ -32,11 +31,14 @@ BACKEND = "relay"
 # ---------------------------------------------------------------------------- in a rank
 
 class _Link:
-    """This rank's socket to the broker: requests out, answers in on a reader thread."""
+    """This rank's socket to the broker: requests out, answers in on a reader thread. Each
+    request and the first wait on its Work say which autograd node was running then (0:
+    none, outside a backward), so the broker can tell a call that overlapped the backward."""
 
     def __init__(self, sock: socket.socket):
         self.sock, self.lock, self.ids = sock, threading.Lock(), itertools.count()
         self.pending: dict[int, tuple[Future, list[torch.Tensor]]] = {}
+        self.nodes: list = []  # the autograd nodes seen, kept alive so that each keeps its number
         threading.Thread(target=self._read, daemon=True, name="relay-reader").start()
 
     def request(self, header: dict, inputs: list[torch.Tensor], outputs: list[torch.Tensor]):
@@ -45,10 +47,21 @@ class _Link:
         with self.lock:
             rid = next(self.ids)
             self.pending[rid] = (future, outputs)
-            send_frame(self.sock, {**header, "id": rid, "inputs": [tensor_meta(t) for t in inputs],
+            send_frame(self.sock, {**header, "id": rid, "node": self.node(), "inputs": [tensor_meta(t) for t in inputs],
                                    "outputs": [tensor_meta(t) for t in outputs]},
                        b"".join(tensor_bytes(t) for t in inputs))
-        return _create_work_from_future(future)
+        return _RelayWork(future, lambda: self.send({"wait": rid, "node": self.node()}))
+
+    def node(self) -> int:
+        """The running autograd node's number on this rank (1, 2, ... as first seen), 0 outside a backward."""
+        current = torch._C._current_autograd_node()
+        if current is None:
+            return 0
+        for number, seen in enumerate(self.nodes, 1):
+            if seen is current:
+                return number
+        self.nodes.append(current)
+        return len(self.nodes)
 
     def send(self, header: dict, payload: bytes = b"") -> None:
         with self.lock:
@@ -63,6 +76,27 @@ class _Link:
         future, outputs = self.pending.pop(header["id"])
         _fill(outputs, header["outputs"], payload)
         future.set_result(outputs)
+
+
+class _RelayWork(dist.Work):
+    """A call in flight: `wait` tells the broker (once) where the rank waited, then waits."""
+
+    def __init__(self, future: Future, on_first_wait):
+        super().__init__()
+        self.future, self.on_first_wait = future, on_first_wait
+
+    def wait(self, timeout=None):
+        if self.on_first_wait is not None:
+            self.on_first_wait, tell = None, self.on_first_wait
+            tell()
+        self.future.wait()
+        return True
+
+    def is_completed(self):
+        return self.future.done()
+
+    def get_future(self):
+        return self.future
 
 
 def _fill(outputs: list[torch.Tensor], metas: list[dict], payload: bytes) -> None:

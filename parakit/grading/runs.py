@@ -41,6 +41,7 @@ class Run:
     calls: list[list[Call]]
     notes: list[list[str]]
     failure: str | None = None
+    overlapped: list[list[bool]] | None = None  # per rank and call: the backward went on while it was in flight
 
 
 class Runner:
@@ -79,7 +80,8 @@ class Runner:
             for rank, value in enumerate(values):
                 if value is None and failure is None:
                     failure = f"rank {rank} ended without a result: its process died{_tail(folder, rank)}"
-            return Run(values, broker.calls, [broker.notes.get(r, []) for r in range(world_size)], failure)
+            return Run(values, broker.calls, [broker.notes.get(r, []) for r in range(world_size)], failure,
+                       [broker.overlapped(r) for r in range(world_size)])
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
