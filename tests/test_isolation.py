@@ -44,12 +44,14 @@ ALLOWED = {
     "write_scratch": "open('mine.txt', 'w').write('ok')",
     "processes_seen": "import os; sorted(int(p) for p in os.listdir('/proc') if p.isdigit())",
     "listdir_root": "import os; sorted(os.listdir('/'))",
+    "read_a_visible_folder_in_tmp": "open(VISIBLE + '/data.txt').read()",
+    "write_a_visible_folder": "open(VISIBLE + '/data.txt', 'w').write('x')",
 }
 
 SCRIPT = """
     import json, os, socket, sys, time
     from parakit.grading import isolation
-    PORT, ABSTRACT, SHM, PARENT = {port}, {abstract!r}, {shm!r}, os.getpid()
+    PORT, ABSTRACT, SHM, PARENT, VISIBLE = {port}, {abstract!r}, {shm!r}, os.getpid(), sys.argv[5]
     attempts = json.loads(sys.argv[1])
     out = os.open(sys.argv[2], os.O_WRONLY)
     pid = os.fork()
@@ -59,11 +61,12 @@ SCRIPT = """
             os.waitpid(inner, 0)
             os._exit(0)
         os.setsid()
-        isolation.confine(sys.argv[3], [sys.base_prefix, sys.prefix], [], isolation.Limits(cpu_seconds=int(sys.argv[4])))
+        isolation.confine(sys.argv[3], [sys.base_prefix, sys.prefix, VISIBLE], [],
+                          isolation.Limits(cpu_seconds=int(sys.argv[4])))
         results = {{}}
         for name, source in attempts.items():
             *lines, last = source.split("; ")
-            scope = dict(PORT=PORT, ABSTRACT=ABSTRACT, SHM=SHM, PARENT=PARENT)
+            scope = dict(PORT=PORT, ABSTRACT=ABSTRACT, SHM=SHM, PARENT=PARENT, VISIBLE=VISIBLE)
             try:
                 exec("; ".join(lines), scope)
                 results[name] = ["ok", repr(eval(last, scope))[:200]]
@@ -78,8 +81,10 @@ SCRIPT = """
 
 def confined(tmp_path, attempts: dict[str, str], cpu_seconds: int = 60) -> tuple[dict, str]:
     """Run each attempt in a process confined by `isolation` (no audit hook); (results, stdout)."""
-    scratch = tmp_path / "rank0"
+    scratch, visible = tmp_path / "rank0", tmp_path / "venv"  # both in /tmp, which becomes the new root
     scratch.mkdir()
+    visible.mkdir()
+    (visible / "data.txt").write_text("shown")
     server = socket.create_server(("127.0.0.1", 0))
     listener = socket.socket(socket.AF_UNIX)
     listener.bind("\0parakit-isolation-test-%d" % os.getpid())
@@ -92,7 +97,7 @@ def confined(tmp_path, attempts: dict[str, str], cpu_seconds: int = 60) -> tuple
                                                      shm=shm.name)))
     try:
         done = subprocess.run([sys.executable, str(script), json.dumps(attempts), str(out), str(scratch),
-                               str(cpu_seconds)], capture_output=True, text=True, env=script_env(), timeout=300)
+                               str(cpu_seconds), str(visible)], capture_output=True, text=True, env=script_env(), timeout=300)
     finally:
         server.close()
         listener.close()
@@ -117,6 +122,8 @@ def test_a_confined_process_is_refused_every_way_past_the_audit_hook_and_keeps_t
     assert results["thread"] == ["ok", "None"] and results["write_scratch"] == ["ok", "2"]
     assert results["processes_seen"] == ["ok", "[1]"]  # itself, process 1 of its namespace
     assert results["listdir_root"][0] == "ok" and "work" in results["listdir_root"][1]
+    assert results["read_a_visible_folder_in_tmp"] == ["ok", "'shown'"]
+    assert results["write_a_visible_folder"][1].startswith("[Errno 30] Read-only file system")
     assert not os.path.exists(sys.prefix + "/escape")
 
 

@@ -112,29 +112,28 @@ def confine(scratch: str, visible: list[str], hidden: list[str], limits: Limits)
     `hidden` folders inside those (parakit's own package, say) are covered by empty ones.
     Then drop every capability, filter the system calls and set the caps (see the module)."""
     scratch = os.path.realpath(scratch)
-    keep = os.open(scratch, O_PATH | os.O_DIRECTORY)
+    binds = [d for d in SYSTEM_DIRS if os.path.isdir(d) and not os.path.islink(d)]
+    binds += sorted({os.path.realpath(p) for p in visible if os.path.isdir(p)} - set(binds))
+    held = {path: os.open(path, O_PATH | os.O_DIRECTORY) for path in [*binds, scratch]}  # reachable once /tmp is covered
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     root = "/tmp"  # a tmpfs over it becomes the new root; the old /tmp is out of sight
     _mount("sealed", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
-    binds = [d for d in SYSTEM_DIRS if os.path.isdir(d) and not os.path.islink(d)]
-    binds += sorted({os.path.realpath(p) for p in visible if os.path.isdir(p)})
+    for folder in ("/tmp", "/dev/shm"):  # first: what is bound below them (a venv in /tmp) lands on these
+        os.makedirs(root + folder)
+        _mount("scratch", root + folder, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={limits.tmp_size}")
     for source in binds:
-        _bind(source, root + source, read_only=True)
+        _bind(f"/proc/self/fd/{held[source]}", root + source, read_only=True)
+    _bind(f"/proc/self/fd/{held[scratch]}", root + scratch, read_only=False)
+    for fd in held.values():
+        os.close(fd)
     for link in (d for d in SYSTEM_DIRS if os.path.islink(d)):
         os.symlink(os.readlink(link), root + link)
     for folder in hidden:
         folder = os.path.realpath(folder)
         if any(folder.startswith(b + "/") for b in binds) and os.path.isdir(root + folder):
             _mount("hidden", root + folder, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k")
-    os.makedirs(root + "/dev", exist_ok=True)
     for name in DEVICES:
-        open(f"{root}/dev/{name}", "w").close()
         _bind(f"/dev/{name}", f"{root}/dev/{name}", read_only=False)
-    for folder in ("/tmp", "/dev/shm"):
-        os.makedirs(root + folder, exist_ok=True)
-        _mount("scratch", root + folder, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={limits.tmp_size}")
-    _bind(f"/proc/self/fd/{keep}", root + scratch, read_only=False)
-    os.close(keep)
     for folder in ("proc", "old"):
         os.makedirs(f"{root}/{folder}", exist_ok=True)
     _check(_libc.syscall(_number("pivot_root"), root.encode(), f"{root}/old".encode()), "pivot_root")
