@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import difflib
+import hashlib
 import html
+import json
 import logging
 import os
 import re
@@ -324,8 +327,13 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
     if jobs < 1:
         raise SystemExit(f"--jobs {jobs}: give the number of notebooks to grade at once (1 or more)")
     out.mkdir(parents=True, exist_ok=True)
-    for folder in ("feedback", "graded"):
-        shutil.rmtree(out / folder, ignore_errors=True)
+    unfinished = out / JOURNAL / "unfinished"
+    resuming = unfinished.exists()  # the last run stopped before its end: keep what it graded
+    if not resuming:
+        for folder in ("feedback", "graded", JOURNAL):
+            shutil.rmtree(out / folder, ignore_errors=True)
+    (out / JOURNAL).mkdir(exist_ok=True)
+    unfinished.write_text("a grade run is under way, or stopped before its end: the next one resumes\n")
     log = logging.getLogger(f"autograde.{id(out)}")
     log.setLevel(logging.INFO)
     handler = logging.FileHandler(out / "grading.log", mode="w")
@@ -349,6 +357,11 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
                       course_salt(course.root), scratch)
                  for student, paths in found.items() for assignment, path in paths.items()]
 
+        journal = {_key(task): out / JOURNAL / f"{fingerprint(task)}.json" for task in tasks}
+        done = {key: load_result(path) for key, path in journal.items() if resuming and path.exists()}
+        if done:
+            print(f"resuming: {len(done)} of {len(tasks)} notebooks were graded by the run that stopped", flush=True)
+
         def finished(result: Result) -> None:
             result.notes += strays.get((result.student, result.assignment), [])
             changed = restore(kept, guarded)
@@ -356,20 +369,56 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
                 result.score, result.tests = 0.0, {g: (0.0, m) for g, (_, m) in result.tests.items()}
                 result.notes.append("the course's files changed while this was graded (restored, scored 0): "
                                     + ", ".join(changed[:5]))
+            if unsealed and not any(n.startswith("NOT SEALED") for n in result.notes):
+                result.notes.append(f"NOT SEALED: {unsealed}")
+            save_result(result, journal[(result.student, result.assignment)])
             print(report_line(result), flush=True)
 
         try:
-            results = grade_all(tasks, jobs, finished)
+            fresh = iter(grade_all([t for t in tasks if _key(t) not in done], jobs, finished))
+            results = [done.get(_key(t)) or next(fresh) for t in tasks]
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         if in_kernel:
             for result in results:
                 result.notes += compare_in_kernel(course, result, found, released)
         write_outputs(results, notes, out)
+        unfinished.unlink()
         return results
     finally:
         log.removeHandler(handler)
         handler.close()
+
+
+JOURNAL = "journal"  # under --out: one file per notebook, written as it is graded
+
+
+def _key(task: Task) -> tuple[str, str]:
+    return task.student, task.assignment
+
+
+def fingerprint(task: Task) -> str:
+    """The name of a notebook's journal entry: a changed hand-in or solution is graded anew."""
+    digest = hashlib.sha256(f"{task.student}\0{task.assignment}\0".encode())
+    for path in (task.path, task.solution):
+        try:
+            digest.update(Path(path).read_bytes() if path else b"(none)")
+        except OSError:
+            digest.update(b"(unreadable)")
+    return digest.hexdigest()[:32]
+
+
+def save_result(result: Result, path: Path) -> None:
+    """Write `result` where a resumed run finds it, whole or not at all (renamed into place)."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(dataclasses.asdict(result)))
+    partial.replace(path)
+
+
+def load_result(path: Path) -> Result:
+    data = json.loads(path.read_text())
+    data["tests"] = {g: tuple(pair) for g, pair in data["tests"].items()}
+    return Result(**data)
 
 
 def parakit_dir() -> str:

@@ -12,6 +12,7 @@ import csv
 import html
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -277,6 +278,32 @@ def test_grading_again_regrades_from_scratch(built, graded, tmp_path):
     assert again.rows["full"]["status"] == "not a notebook"
     assert not (again.out / "graded" / "full" / f"{built.lesson.name}.ipynb").exists()
     assert set(again.rows) == {"full", "untouched"}
+
+
+@ON_TOY_ONLY
+def test_a_grade_run_killed_midway_loses_nothing_graded_and_the_next_run_resumes(built, graded, tmp_path):
+    """The grade command killed after its first notebook: the next run takes that notebook's
+    grade from the journal, grades the rest, and writes the same grades.csv as one whole run."""
+    folder = tmp_path / "class"
+    panel.write_panel(built.students, folder)
+    (folder / "notes.txt").write_text("a file outside any student folder")
+    out = tmp_path / "out"
+    args = ["--solutions", str(built.solutions), "grade", str(folder), "--root", str(graded.root),
+            "--timeout", str(built.lesson.timeout), "--out", str(out)]
+    command = subprocess.Popen([sys.executable, "-m", "autograde.course", *args], cwd=REPO, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+    first = command.stdout.readline()
+    os.killpg(command.pid, signal.SIGKILL)
+    command.wait()
+    assert (out / "journal" / "unfinished").exists() and not (out / "grades.csv").exists()
+    again = run_course(*args)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert again.stdout.startswith(f"resuming: 1 of {len(graded.rows)} notebooks"), again.stdout[:300]
+    graded_again = [line.split()[0] for line in again.stdout.splitlines()[1:] if line and not line[0].isspace()]
+    assert first.split()[0] not in graded_again  # taken from the journal, not graded twice
+    with open(out / "grades.csv") as f:
+        assert {row["student"]: row for row in csv.DictReader(f)} == graded.rows
+    assert not (out / "journal" / "unfinished").exists()
 
 
 @ON_TOY_ONLY
