@@ -275,3 +275,11 @@ def test_the_relay_sees_which_calls_overlapped_the_backward_and_a_check_can_ask_
                              overlap_inputs("async"), world_sizes=(2,), trials=1, same_traffic=True, same_overlap=True)
     finally:
         student.close()
+
+
+def test_a_rank_that_floods_its_output_is_stopped_at_the_cap_with_one_line_and_the_next_run_works(runner):
+    flood = "import sys\nwhile True:\n    sys.stdout.write('x' * 2**20)\n"
+    result = run(runner, lambda: None, world_size=2, cells=[flood], locked=True)
+    assert result.failure == "rank 0 ended without a result: its process died: it wrote 8 MiB of output, " \
+                             "the most a rank may write, and was stopped"
+    assert run(runner, lambda: 1, world_size=2).values == [[{"value": 1}], [{"value": 1}]]  # one case each

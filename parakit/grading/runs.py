@@ -140,9 +140,13 @@ def outcome(value) -> dict:
 
 
 def _tail(folder: str, rank: int) -> str:
+    path = os.path.join(folder, f"rank{rank}", f"rank{rank}.log")
     try:
-        with open(os.path.join(folder, f"rank{rank}", f"rank{rank}.log"), errors="replace") as f:
-            lines = [l.rstrip() for l in f.read()[-3000:].splitlines() if l.strip()]
+        if os.path.getsize(path) >= sandbox.LOG_LIMIT:
+            return f": it wrote {sandbox.LOG_LIMIT // 2**20} MiB of output, the most a rank may write, and was stopped"
+        with open(path, errors="replace") as f:
+            f.seek(max(0, os.path.getsize(path) - 3000))
+            lines = [l.rstrip() for l in f.read().splitlines() if l.strip()]
     except OSError:
         return ""
     return (": " + " | ".join(lines[-4:]))[:600] if lines else " (os._exit, a crash or out of memory)"
