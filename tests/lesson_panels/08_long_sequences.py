@@ -39,6 +39,196 @@ class ReduceScatterToSequence(torch.autograd.Function):
         return tp.gather_from_sequence_region(grad)
 '''
 
+RING_HEAD = '''def ring_forward(q, k, v):
+    n, r = dist.get_world_size(), dist.get_rank()
+    scale = q.shape[-1] ** -0.5
+    kv = torch.stack([k, v])
+'''
+
+# Wrong techniques with the right values and a ring's messages: each must score 0 on its exercise.
+RING_KEEPS_EVERY_BLOCK = RING_HEAD + '''    blocks = [kv]
+    for step in range(n - 1):
+        incoming = torch.empty_like(kv)
+        requests = [dist.isend(kv, (r + 1) % n), dist.irecv(incoming, (r - 1) % n)]
+        scores = q @ kv[0].transpose(-1, -2)            # work while the next block moves...
+        for request in requests:
+            request.wait()
+        kv = incoming
+        blocks.append(kv)                               # ...but every block is kept
+    k_all, v_all = torch.cat([b[0] for b in blocks], 2), torch.cat([b[1] for b in blocks], 2)
+    return cp.block_attention(q, k_all, v_all, scale)  # one softmax at the end
+'''
+
+RING_BLOCKING = RING_HEAD + '''    out = lse = None
+    for step in range(n):
+        if step < n - 1:
+            incoming = torch.empty_like(kv)
+            if r % 2 == 0:                              # blocking: nothing moves while it computes
+                dist.send(kv, (r + 1) % n)
+                dist.recv(incoming, (r - 1) % n)
+            else:
+                dist.recv(incoming, (r - 1) % n)
+                dist.send(kv, (r + 1) % n)
+        part = cp.block_attention(q, kv[0], kv[1], scale)
+        out, lse = part if out is None else cp.merge_partials(out, lse, *part)
+        if step < n - 1:
+            kv = incoming
+    return out, lse
+'''
+
+RING_WAITS_AT_ONCE = RING_HEAD + '''    out = lse = None
+    for step in range(n):
+        if step < n - 1:
+            incoming = torch.empty_like(kv)
+            for request in [dist.isend(kv, (r + 1) % n), dist.irecv(incoming, (r - 1) % n)]:
+                request.wait()                          # posted, then waited before any compute
+        part = cp.block_attention(q, kv[0], kv[1], scale)
+        out, lse = part if out is None else cp.merge_partials(out, lse, *part)
+        if step < n - 1:
+            kv = incoming
+    return out, lse
+'''
+
+CAUSAL_NO_SKIP = '''def ring_forward_causal(q, k, v):
+    n, r = dist.get_world_size(), dist.get_rank()
+    scale, mine = q.shape[-1] ** -0.5, (r, 2 * n - 1 - r)
+    kv = torch.stack([k, v])
+    acc = [None, None]
+    for step in range(n):
+        if step < n - 1:
+            incoming = torch.empty_like(kv)
+            requests = [dist.isend(kv, (r + 1) % n), dist.irecv(incoming, (r - 1) % n)]
+        owner = (r - step) % n
+        theirs = (owner, 2 * n - 1 - owner)
+        for a, (i, qc) in enumerate(zip(mine, q.chunk(2, dim=2))):
+            for j, kc, vc in zip(theirs, kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)):
+                s = (qc @ kc.transpose(-1, -2)) * scale   # every pair computed, the masked ones thrown away
+                if j > i:
+                    s = torch.full_like(s, float("-inf"))
+                elif j == i:
+                    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+                lse = torch.logsumexp(s, -1)
+                part = torch.nan_to_num(torch.exp(s - lse.unsqueeze(-1))) @ vc, lse
+                acc[a] = part if acc[a] is None else cp.merge_partials(*acc[a], *part)
+        if step < n - 1:
+            for request in requests:
+                request.wait()
+            kv = incoming
+    return torch.cat([acc[0][0], acc[1][0]], dim=2), torch.cat([acc[0][1], acc[1][1]], dim=2)
+'''
+
+PAIR_ALL_REDUCE = BORROWED_PAIR.replace("tp.gather_from_sequence_region(x)", "gather(x)").replace(
+    "tp.reduce_scatter_to_sequence_region(grad)", "reduce_scatter(grad)").replace(
+    "tp.reduce_scatter_to_sequence_region(x)", "reduce_scatter(x)").replace(
+    "tp.gather_from_sequence_region(grad)", "gather(grad)") + '''
+
+def gather(x):                                          # all-reduce of my slice in a zero tensor
+    t, r = dist.get_world_size(), dist.get_rank()
+    full = torch.zeros(x.shape[0], t * x.shape[1], *x.shape[2:], dtype=x.dtype, device=x.device)
+    full[:, r * x.shape[1]:(r + 1) * x.shape[1]] = x
+    dist.all_reduce(full)
+    return full
+
+
+def reduce_scatter(x):                                  # all-reduce, then keep my slice
+    x = x.clone()
+    dist.all_reduce(x)
+    return x.chunk(dist.get_world_size(), 1)[dist.get_rank()].contiguous()
+'''
+
+ULYSSES_ALL_GATHER = '''def seq_to_heads(x):
+    n, r = dist.get_world_size(), dist.get_rank()
+    b, h, s, d = x.shape
+    if h % n:
+        raise ValueError(f"{h} heads are not divisible by the Ulysses degree {n}")
+    every = torch.empty(n * b, h, s, d, dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(every, x.contiguous())   # every rank's every head: n times the bytes
+    mine = every.view(n, b, h, s, d)[:, :, r * (h // n):(r + 1) * (h // n)]
+    return mine.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)
+'''
+
+# Right, written another way: each keeps full marks.
+RING_OWN_MATH = '''def ring_forward(q, k, v):
+    n, r = dist.get_world_size(), dist.get_rank()
+    b = k.shape[0]
+    kv = torch.cat([k, v]).contiguous()                 # [2b, h, c, d]: the same bytes as a stack
+    out = lse = None
+    for step in range(n):
+        requests = []
+        if step < n - 1:
+            nxt = torch.empty_like(kv)
+            requests = [dist.isend(kv, (r + 1) % n), dist.irecv(nxt, (r - 1) % n)]
+        s = torch.einsum("bhqd,bhkd->bhqk", q, kv[:b]) * q.shape[-1] ** -0.5
+        l = torch.logsumexp(s, -1)
+        o = torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, -1), kv[b:])
+        if out is None:
+            out, lse = o, l
+        else:
+            new = torch.logaddexp(lse, l)
+            out, lse = out * (lse - new).exp()[..., None] + o * (l - new).exp()[..., None], new
+        for request in reversed(requests):              # waited in the other order
+            request.wait()
+        if requests:
+            kv = nxt
+    return out, lse
+'''
+
+CAUSAL_KEYS_FIRST = '''def ring_forward_causal(q, k, v):
+    n, r = dist.get_world_size(), dist.get_rank()
+    scale, mine = q.shape[-1] ** -0.5, (r, 2 * n - 1 - r)
+    kv = torch.stack([k, v])
+    out = [None, None]
+    for step in range(n):
+        if step < n - 1:
+            incoming = torch.empty_like(kv)
+            requests = [dist.isend(kv, (r + 1) % n), dist.irecv(incoming, (r - 1) % n)]
+        owner = (r - step) % n
+        for j, kc, vc in zip((owner, 2 * n - 1 - owner), kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)):
+            for a, (i, qc) in enumerate(zip(mine, q.chunk(2, dim=2))):   # key chunks outside, queries inside
+                if j <= i:
+                    part = cp.block_attention(qc, kc, vc, scale, diagonal=(i == j))
+                    out[a] = part if out[a] is None else cp.merge_partials(*out[a], *part)
+        if step < n - 1:
+            for request in requests:
+                request.wait()
+            kv = incoming
+    return torch.cat([out[0][0], out[1][0]], dim=2), torch.cat([out[0][1], out[1][1]], dim=2)
+'''
+
+PAIR_OTHER_CALLS = '''class GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return all_gather_seq(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_seq(grad)
+
+
+class ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return reduce_scatter_seq(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_seq(grad)
+
+
+def all_gather_seq(x):                                  # a list of slices, concatenated along the sequence
+    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, x.contiguous())
+    return torch.cat(pieces, dim=1)
+
+
+def reduce_scatter_seq(x):
+    t = dist.get_world_size()
+    x = torch.cat(x.chunk(t, dim=1))                    # [t * b, s/t, h]: rank i's piece i-th along dim 0
+    out = torch.empty(x.shape[0] // t, *x.shape[1:], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, x)
+    return out
+'''
+
 BORROWED = {
     "merge": "def merge(out_a, lse_a, out_b, lse_b):\n    return cp.merge_partials(out_a, lse_a, out_b, lse_b)\n",
     "ring_forward": "def ring_forward(q, k, v):\n    return cp.ring_attention_forward(q, k, v)\n",
@@ -53,11 +243,35 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     """Lesson 08. The hard-coder merges with exp of the log-sum-exps themselves (overflows on
     the hidden large ones) and re-shards without checking that the ranks divide the heads:
     each fails its hidden tests. The borrower calls parakit's merge, ring, sequence pair and
-    re-shard: 0 on every exercise. The kernel hangs in the causal ring and dies in the re-shard."""
+    re-shard: 0 on every exercise. The kernel hangs in the causal ring and dies in the re-shard.
+    Wrong techniques with right values, 0 on their exercise: a ring that keeps every block and
+    takes one softmax at the end (its bytes held grow), one with blocking send/recv and one that
+    waits before computing (nothing in flight while it computes), a causal ring that computes the
+    masked chunk pairs and throws them away (more multiply-adds), a sequence pair and a re-shard
+    made of all-reduces and an all-gather. Right ones written another way keep full marks: a ring
+    with K and V concatenated, einsum, logaddexp and its waits reversed; a causal ring looping over
+    key chunks first; a sequence pair with a list all-gather and the pieces laid out by hand."""
     hardcoded = {"merge": NAIVE_MERGE, "seq_to_heads": NO_HEADS_CHECK}
+    full, pts = panel.full_solution(panel.load(lesson), panel.load(solution)), panel.points(panel.load(lesson))
+
+    def student(name, sources, zero=()):
+        return panel.Student(name, {Path(lesson).name: panel.with_sources(full, sources)},
+                             {t: 0.0 if t in zero else p for t, p in pts.items()})
+
+    extra = [
+        student("ring_keeps_every_block", {"ring_forward": RING_KEEPS_EVERY_BLOCK}, ("test_ring_forward",)),
+        student("ring_blocking", {"ring_forward": RING_BLOCKING}, ("test_ring_forward",)),
+        student("ring_waits_at_once", {"ring_forward": RING_WAITS_AT_ONCE}, ("test_ring_forward",)),
+        student("causal_no_skip", {"ring_forward_causal": CAUSAL_NO_SKIP}, ("test_ring_forward_causal",)),
+        student("pair_all_reduce", {"sequence_pair": PAIR_ALL_REDUCE}, ("test_sequence_pair",)),
+        student("ulysses_all_gather", {"seq_to_heads": ULYSSES_ALL_GATHER}, ("test_seq_to_heads",)),
+        student("ring_own_math", {"ring_forward": RING_OWN_MATH}),
+        student("causal_keys_first", {"ring_forward_causal": CAUSAL_KEYS_FIRST}),
+        student("pair_other_calls", {"sequence_pair": PAIR_OTHER_CALLS}),
+    ]
     return panel.standard_panel(
         lesson, solution, hang_in="ring_forward_causal", crash_in="seq_to_heads", hardcoded=hardcoded,
-        hardcoded_expected={"test_merge": 0.0, "test_seq_to_heads": 0.0}, borrowed=BORROWED)
+        hardcoded_expected={"test_merge": 0.0, "test_seq_to_heads": 0.0}, borrowed=BORROWED, extra=extra)
 
 
 LESSON = panel.Lesson(REPO / "solutions" / "08_long_sequences.ipynb", students, timeout=60)
