@@ -32,7 +32,6 @@ import os
 import pickle
 import signal
 import sys
-import threading
 import time
 from collections import OrderedDict, deque
 
@@ -324,8 +323,7 @@ class _Pool:
             for r in self.ranks:
                 r.tail.clear()  # a death report shows this call's output only
                 r.conn.send_bytes(message)
-            with _interrupts_noted(call):
-                return call.collect()
+            return call.collect()
         except LaunchError:
             raise  # the call stopped the pool already where its process group is out of step
         except BaseException:  # KeyboardInterrupt included: no rank may run on
@@ -364,28 +362,6 @@ class _Pool:
         self.ranks, self.store = [], None
 
 
-@contextlib.contextmanager
-def _interrupts_noted(call: "_Call"):
-    """Ctrl-C during `call` is noted before the usual handler raises KeyboardInterrupt, and
-    the call's loop raises it again: Python drops a KeyboardInterrupt raised while the main
-    thread runs a finalizer ("Exception ignored in ..."), and a dropped one would let every
-    rank run on. Only where this thread may set handlers and Python's own handler is set."""
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or not callable(previous):
-        yield
-        return
-
-    def noted(signum, frame):
-        call.interrupted = True
-        previous(signum, frame)
-
-    signal.signal(signal.SIGINT, noted)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 class _Call:
     """One call on a pool: gathers results, output and status; finds failures and hangs."""
 
@@ -397,15 +373,12 @@ class _Call:
         self.status: dict[int, dict] = {}  # rank -> latest answer to "where are you?"
         self.failed_at: float | None = None
         self.last_ask = 0.0
-        self.interrupted = False  # set by `_interrupts_noted`
 
     def unfinished(self) -> list[int]:
         return [r for r in range(self.pool.world_size) if r not in self.replies and r not in self.deaths]
 
     def collect(self) -> list:
         while self.unfinished():
-            if self.interrupted:
-                raise KeyboardInterrupt
             now = time.monotonic()
             if self.failed_at is not None and now - self.failed_at > FAILURE_GRACE:
                 break

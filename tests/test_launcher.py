@@ -759,9 +759,13 @@ def test_workers_and_forkserver_end_when_the_caller_is_killed(tmp_path):
 
 
 INTERRUPT_SCRIPT = """
-    import os, time
+    import os, signal, time
     import torch
     import parakit
+
+    # as in a terminal or a kernel: Ctrl-C raises KeyboardInterrupt (a shell that starts this in
+    # the background, as some CI runners do, hands it SIGINT ignored, and then no SIGINT would count)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def alive(pid):
         try:
