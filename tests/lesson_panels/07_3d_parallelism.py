@@ -6,6 +6,101 @@ from conftest import REPO
 
 from parakit import mesh, parallel3d
 
+CUBE_I_INNERMOST = """def cube_groups(q):
+    # groups that cover the ranks, but with i innermost: r = l q^2 + j q + i
+    rank = lambda i, j, l: (l * q + j) * q + i
+    groups = {"weight": [], "input": [], "output": []}
+    for a in range(q):
+        for b in range(q):
+            groups["weight"].append([rank(v, a, b) for v in range(q)])
+            groups["input"].append([rank(a, v, b) for v in range(q)])
+            groups["output"].append([rank(a, b, v) for v in range(q)])
+    return {axis: sorted(lists) for axis, lists in groups.items()}
+"""
+
+FULL_WEIGHT = """def linear3d_forward(x, a, cube):
+    # right values, but every rank all-gathers the whole weight (q^3 blocks) and keeps its A_lj
+    q, world = cube.q, dist.get_world_size()
+    i, j, l = cube.coords
+    x_il = torch.empty(q * x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    dist.all_gather_single(x_il, x.contiguous(), group=cube.axis_group(cube.input_axis))
+    everything = torch.empty(world * a.shape[0], a.shape[1], dtype=a.dtype, device=a.device)
+    dist.all_gather_single(everything, a.contiguous())
+    blocks = everything.chunk(world)
+    a_lj = torch.cat([blocks[(v * q + j) * q + l] for v in range(q)], dim=1)
+    partial = x_il @ a_lj
+    y = torch.empty(partial.shape[0] // q, partial.shape[1], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(y, partial, group=cube.axis_group(cube.output_axis))
+    return y, x_il, a_lj
+"""
+
+ALL_REDUCE_GRADIENTS = """def linear3d_backward(dy, x_il, a_lj, cube):
+    # right values, but all-reduces the whole gradients and keeps its piece: q times the bytes of a reduce-scatter
+    q = cube.q
+    dy_ij = torch.empty(q * dy.shape[0], dy.shape[1], dtype=dy.dtype, device=dy.device)
+    dist.all_gather_single(dy_ij, dy.contiguous(), group=cube.axis_group(cube.output_axis))
+    dx_il = dy_ij @ a_lj.t()
+    dist.all_reduce(dx_il, group=cube.axis_group(cube.input_axis))
+    da_lj = x_il.t() @ dy_ij
+    dist.all_reduce(da_lj, group=cube.axis_group("weight"))
+    return (dx_il.chunk(q)[cube.coord(cube.input_axis)].contiguous(),
+            da_lj.chunk(q, dim=1)[cube.coord("weight")].contiguous())
+"""
+
+MESH_TP_OUTERMOST = """def mesh_groups(dp, pp, tp):
+    # groups that cover the ranks, but with the dimensions in the wrong order: r = (t * pp + p) * dp + d
+    rank = lambda d, p, t: (t * pp + p) * dp + d
+    groups = {
+        "dp": [[rank(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "pp": [[rank(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
+        "tp": [[rank(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)],
+    }
+    return {kind: sorted(lists) for kind, lists in groups.items()}
+"""
+
+CUBE_BY_TENSOR = """def cube_groups(q):
+    # the same groups from a tensor of ranks indexed [i, j, l]
+    ranks = torch.arange(q ** 3).view(q, q, q)
+    lines = lambda t: sorted(t.reshape(-1, q).tolist())
+    return {"weight": lines(ranks.permute(1, 2, 0)), "input": lines(ranks.permute(0, 2, 1)),
+            "output": lines(ranks)}
+"""
+
+WEIGHT_FIRST = """def linear3d_forward(x, a, cube):
+    # the weight's all-gather first, then the input's (as valid); the pieces put side by side with a list
+    q = cube.q
+    pieces = [torch.empty_like(a) for _ in range(q)]
+    dist.all_gather(pieces, a.contiguous(), group=cube.axis_group("weight"))
+    a_lj = torch.cat(pieces, dim=1)
+    x_il = torch.empty(q * x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    dist.all_gather_single(x_il, x.contiguous(), group=cube.axis_group(cube.input_axis))
+    partial = x_il @ a_lj
+    y = torch.empty(partial.shape[0] // q, partial.shape[1], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(y, partial, group=cube.axis_group(cube.output_axis))
+    return y, x_il, a_lj
+"""
+
+DA_FIRST = """def linear3d_backward(dy, x_il, a_lj, cube):
+    # dA's reduce-scatter before dX's (as valid), through the list form
+    q = cube.q
+    dy_ij = torch.empty(q * dy.shape[0], dy.shape[1], dtype=dy.dtype, device=dy.device)
+    dist.all_gather_single(dy_ij, dy.contiguous(), group=cube.axis_group(cube.output_axis))
+    da_lj = x_il.t() @ dy_ij
+    da = torch.empty(da_lj.shape[0], da_lj.shape[1] // q, dtype=dy.dtype, device=dy.device)
+    dist.reduce_scatter(da, [p.contiguous() for p in da_lj.chunk(q, dim=1)], group=cube.axis_group("weight"))
+    dx_il = dy_ij @ a_lj.t()
+    dx = torch.empty(dx_il.shape[0] // q, dx_il.shape[1], dtype=dy.dtype, device=dy.device)
+    dist.reduce_scatter_single(dx, dx_il, group=cube.axis_group(cube.input_axis))
+    return dx, da
+"""
+
+MESH_BY_TENSOR = """def mesh_groups(dp, pp, tp):
+    # the same groups from a tensor of ranks indexed [d, p, t]
+    ranks = torch.arange(dp * pp * tp).view(dp, pp, tp)
+    lines = lambda t, n: sorted(t.reshape(-1, n).tolist())
+    return {"dp": lines(ranks.permute(1, 2, 0), dp), "pp": lines(ranks.permute(0, 2, 1), pp), "tp": lines(ranks, tp)}
+"""
+
 
 def students(lesson: Path, solution: Path) -> list[panel.Student]:
     """Lesson 07. The hard-coder's cube and mesh groups are tables of the visible cases, and
@@ -13,7 +108,12 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     first layer's cube and fail on the swapped one (each 0 on the hidden tests); the borrower
     leans on parakit's rank formulas (cube_rank, mesh_rank), its collective helpers
     (_all_gather, _reduce_scatter) and its linear3d_backward (each 0 by the tripwires); the
-    kernel hangs in the cube groups and dies in the mesh groups."""
+    kernel hangs in the cube groups and dies in the mesh groups. Techniques: `wrong_techniques`
+    numbers the cube with i innermost and the mesh with tp outermost (groups that cover the
+    ranks, in the wrong order of dimensions), all-gathers the whole weight in the forward and
+    all-reduces the gradients in the backward (right values; 0 on each exercise, the last two by
+    the traffic); `other_ways` (groups from a tensor of ranks, the weight gathered first with
+    the list form, dA reduce-scattered before dX) keeps full marks."""
     full = panel.full_solution(panel.load(lesson), panel.load(solution))
     pts = panel.points(panel.load(lesson))
     cubes = {q: {k[0]: v for k, v in parallel3d.cube_groups(q).items() if len(k) == 1} for q in (1, 2, 3)}
@@ -37,9 +137,17 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
         "mesh_groups": _replace(_source(full, "mesh_groups"), [("rank = lambda d, p, t: (d * pp + p) * tp + t",
                                                                  "rank = lambda d, p, t: pmesh.mesh_rank(d, p, t, dp, pp, tp)")]),
     }
+    techniques = [
+        panel.Student("wrong_techniques", {lesson.name: panel.with_sources(
+            full, {"cube_groups": CUBE_I_INNERMOST, "linear3d_forward": FULL_WEIGHT,
+                   "linear3d_backward": ALL_REDUCE_GRADIENTS, "mesh_groups": MESH_TP_OUTERMOST})}, {}),
+        panel.Student("other_ways", {lesson.name: panel.with_sources(
+            full, {"cube_groups": CUBE_BY_TENSOR, "linear3d_forward": WEIGHT_FIRST,
+                   "linear3d_backward": DA_FIRST, "mesh_groups": MESH_BY_TENSOR})}, dict(pts)),
+    ]
     return panel.standard_panel(
         lesson, solution, hang_in="cube_groups", crash_in="mesh_groups",
-        hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0), borrowed=borrowed)
+        hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0), borrowed=borrowed, extra=techniques)
 
 
 def _source(nb, grade_id: str) -> str:
