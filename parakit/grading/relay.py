@@ -43,14 +43,14 @@ class _Link:
 
     def request(self, header: dict, inputs: list[torch.Tensor], outputs: list[torch.Tensor]):
         """Send one call; the Work completes when the broker's answer is copied into `outputs`."""
-        future = Future()
         with self.lock:
             rid = next(self.ids)
+            future = _NotedFuture(_Once(lambda: self.send({"wait": rid, "node": self.node()})))
             self.pending[rid] = (future, outputs)
             send_frame(self.sock, {**header, "id": rid, "node": self.node(), "inputs": [tensor_meta(t) for t in inputs],
                                    "outputs": [tensor_meta(t) for t in outputs]},
                        b"".join(tensor_bytes(t) for t in inputs))
-        return _RelayWork(future, lambda: self.send({"wait": rid, "node": self.node()}))
+        return _RelayWork(future)
 
     def node(self) -> int:
         """The running autograd node's number on this rank (1, 2, ... as first seen), 0 outside a backward."""
@@ -78,17 +78,40 @@ class _Link:
         future.set_result(outputs)
 
 
-class _RelayWork(dist.Work):
-    """A call in flight: `wait` tells the broker (once) where the rank waited, then waits."""
+class _Once:
+    """Calls `fn` the first time it is called, never again."""
 
-    def __init__(self, future: Future, on_first_wait):
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self):
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()
+
+
+class _NotedFuture(Future):
+    """A call's future: the first wait on it, or on its Work, tells the broker where the rank
+    waited (a future chained from it with `then` is waited on later, out of sight: the call
+    counts as in flight until the run's end)."""
+
+    def __init__(self, noted: _Once):
         super().__init__()
-        self.future, self.on_first_wait = future, on_first_wait
+        self.noted = noted
+
+    def wait(self):
+        self.noted()
+        return super().wait()
+
+
+class _RelayWork(dist.Work):
+    """A call in flight, its future a `_NotedFuture`."""
+
+    def __init__(self, future: _NotedFuture):
+        super().__init__()
+        self.future = future
 
     def wait(self, timeout=None):
-        if self.on_first_wait is not None:
-            self.on_first_wait, tell = None, self.on_first_wait
-            tell()
         self.future.wait()
         return True
 
