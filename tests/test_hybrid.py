@@ -287,7 +287,7 @@ def test_two_torchrun_nodes_of_four_processes_give_the_same_losses(tmp_path, one
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PARAKIT_TORCHRUN_TEST": run_id}
     logs = [open(tmp_path / f"node{n}.txt", "w+") for n in range(2)]  # files, not pipes: nothing blocks on a full pipe
     nodes = [subprocess.Popen(command + (["--losses-to", str(tmp_path / "losses.json")] if n == 0 else []),
-                              cwd=tmp_path, env=env, stdout=logs[n], stderr=subprocess.STDOUT, start_new_session=True)
+                              cwd=tmp_path, env=env, stdout=logs[n], stderr=subprocess.STDOUT, process_group=0)
              for n in range(2)]
     deadline = time.monotonic() + 300
     try:  # a node that fails leaves the other waiting in the rendezvous: stop at the first failure

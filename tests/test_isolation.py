@@ -60,7 +60,7 @@ SCRIPT = """
         if inner:
             os.waitpid(inner, 0)
             os._exit(0)
-        os.setsid()
+        os.setpgid(0, 0)
         isolation.confine(sys.argv[3], [sys.base_prefix, sys.prefix, VISIBLE], [],
                           isolation.Limits(cpu_seconds=int(sys.argv[4])))
         results = {{}}

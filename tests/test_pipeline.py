@@ -291,7 +291,7 @@ def test_a_grade_run_killed_midway_loses_nothing_graded_and_the_next_run_resumes
     args = ["--solutions", str(built.solutions), "grade", str(folder), "--root", str(graded.root),
             "--timeout", str(built.lesson.timeout), "--out", str(out)]
     command = subprocess.Popen([sys.executable, "-m", "autograde.course", *args], cwd=REPO, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, process_group=0)
     first = command.stdout.readline()
     os.killpg(command.pid, signal.SIGKILL)
     command.wait()
