@@ -216,7 +216,9 @@ def test_committed_lessons_match_the_solutions():
 # ---------------------------------------------------------------------------- validate
 
 def test_solution_passes_validate_and_untouched_lesson_passes_validate_invert(built):
-    assert course.validate(built.solutions, built.lessons, timeout=built.lesson.timeout) == []
+    # the course's 300 s a cell, a bound on a hang only: the panels' short per-cell limits are
+    # for their hanging students, and the toy's 15 s was passed by a kernel importing torch under load
+    assert course.validate(built.solutions, built.lessons) == []
 
 
 @ON_TOY_ONLY
@@ -224,7 +226,7 @@ def test_validate_complains_about_a_lesson_whose_tests_pass(built, tmp_path):
     shutil.copytree(built.lessons, tmp_path / "lessons")
     solved = panel.full_solution(panel.load(built.released), panel.load(built.lesson.solution))
     nbformat.write(solved, tmp_path / "lessons" / built.released.name)
-    problems = course.validate(built.solutions, tmp_path / "lessons", timeout=built.lesson.timeout)
+    problems = course.validate(built.solutions, tmp_path / "lessons")  # 300 s a cell: a hang bound
     assert len(problems) == len(panel.grade_ids(solved, "test"))
     assert all("a test cell passed" in p for p in problems)
 
