@@ -216,7 +216,7 @@ def test_a_check_waits_ten_times_the_references_time_so_a_slowed_right_answer_ke
     from parakit.grading.judge import Sealed
     student = Runner(JudgeConfig())
     try:
-        sealed = Sealed(runner, student, [], [], {})
+        sealed = Sealed(runner, student, [], [], {}, [])
         slow = lambda seconds: sleep_then_one(2 * seconds)  # noqa: E731
         sealed.check(slow, sleep_then_one, takes(1.0), world_sizes=(1,), trials=1, timeout=0.5)
         never = lambda seconds: sleep_then_one(60 * seconds)  # noqa: E731
@@ -267,7 +267,7 @@ def test_the_relay_sees_which_calls_overlapped_the_backward_and_a_check_can_ask_
     from parakit.grading.judge import Sealed
     student = Runner(JudgeConfig())
     try:
-        sealed = Sealed(runner, student, [], [], {})
+        sealed = Sealed(runner, student, [], [], {}, [])
         for right in ("async", "async_reversed", "async_future"):  # other valid waits keep full marks
             sealed.check(lambda how, sizes: gradients_reduced(right, sizes), gradients_reduced, overlap_inputs("async"),
                          world_sizes=(2,), trials=1, same_traffic=True, same_overlap=True)
@@ -286,3 +286,39 @@ def test_a_rank_that_floods_its_output_is_stopped_at_the_cap_with_one_line_and_t
     assert result.failure == "rank 0 ended without a result: its process died: it wrote 8 MiB of output, " \
                              "the most a rank may write, and was stopped"
     assert run(runner, lambda: 1, world_size=2).values == [[{"value": 1}], [{"value": 1}]]  # one case each
+
+
+def through_the_chain(n):
+    """What checkpoint_sequential's helper computes: n identity layers run as one chain."""
+    import torch
+    from parakit import checkpoint
+    return checkpoint._chain([torch.nn.Identity()] * n, 0)(torch.ones(2))
+
+
+def ones(n):
+    import torch
+    return torch.ones(2)
+
+
+def test_what_only_a_forbidden_function_uses_is_withheld_with_it(runner):
+    """checkpoint_sequential forbidden: _chain, which nothing else in parakit names, is withheld
+    too (a student who calls it trips), unless the instructor's cells name it; checkpoint,
+    which Checkpointed and others use, is not."""
+    from parakit import checkpoint
+    from parakit.grading import reach
+    from parakit.grading.jail import Tripwire
+    from parakit.grading.judge import Sealed
+    derived = reach.only_used_by([checkpoint.checkpoint_sequential], [])
+    assert checkpoint._chain in derived and checkpoint.checkpoint not in derived
+    assert checkpoint._chain not in reach.only_used_by([checkpoint.checkpoint_sequential], ["step = ckpt._chain"])
+    student = Runner(JudgeConfig())
+    try:
+        sealed = Sealed(runner, student, [], [], {}, [])
+        sealed.check(ones, ones, lambda r: (3,), world_sizes=(1,), trials=1,
+                     forbid={checkpoint.checkpoint_sequential: "write it"})
+        with pytest.raises(Tripwire, match=r"through_the_chain called parakit\.checkpoint\._chain, which only "
+                                           r"the parts of parakit this exercise forbids use"):
+            sealed.check(through_the_chain, ones, lambda r: (3,), world_sizes=(1,), trials=1,
+                         forbid={checkpoint.checkpoint_sequential: "write it"})
+    finally:
+        student.close()

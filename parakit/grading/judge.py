@@ -6,10 +6,11 @@ no demo), with each name an answer cell defines bound to a `StudentName`, then r
 test cell (hidden tests included, always the instructor's version). There `grading.check`
 and `check_local` do not call anything: each run of the student's function happens on
 fresh ranks forked by a zygote (`sandbox`), which run the instructor's setup and the
-student's cells, with the exercise's forbidden functions withheld and the process locked
-(`jail`); the reference runs the same way on other fresh ranks with no student code. Both
-talk only through the judge's broker (`relay`, `broker`), which records every call they make, and
-send back plain data (`codec`). Values, traffic, forbidden calls: all compared here.
+student's cells, with the exercise's forbidden functions and what only they use (`reach`)
+withheld and the process locked (`jail`); the reference runs the same way on other fresh
+ranks with no student code. Both talk only through the judge's broker (`relay`, `broker`),
+which records every call they make, and send back plain data (`codec`). Values, traffic,
+forbidden calls: all compared here.
 
     judge = Judge(solution_nb, config); verdicts = judge.grade(submission_nb)
 """
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import cloudpickle
 import torch
 
-from parakit.grading import sandbox
+from parakit.grading import reach, sandbox
 from parakit.grading.jail import Tripwire
 from parakit.grading.notebook import defined_names, meta, parse, python_source, setup_statements, shape, signature, used_names
 from parakit.grading.runs import JudgeConfig, Run, Runner, outcome
@@ -82,8 +83,9 @@ class Sealed:
     """`grading.check` and `check_local` as the judge runs them, for one submission."""
 
     def __init__(self, reference: Runner, student: Runner, cells: list[tuple[str, str, bool]],
-                 hidden: list[str], cache: dict):
+                 hidden: list[str], cache: dict, kept: list[str]):
         self.reference, self.student, self.cells, self.hidden = reference, student, cells, hidden
+        self.kept = kept                # the instructor's sources: what they name is never withheld
         self.cache = cache
         self.references: list = []      # the reference callables the checks used (for the copy report)
 
@@ -113,7 +115,11 @@ class Sealed:
         return mine, self.cache[key][0]
 
     def _jobs(self, call_student: bytes, call_reference: bytes, local: bool, forbid, name: str):
+        """The student's job (its cells, the forbidden functions and what only they use withheld)
+        and the reference's."""
         withheld = [(f, f"{name} called {_where(f)}, which this exercise forbids: {why}") for f, why in forbid.items()]
+        withheld += [(f, f"{name} called {_where(f)}, which only the parts of parakit this exercise forbids use")
+                     for f in reach.only_used_by(forbid, self.kept)]
         student = sandbox.Job(call_student, local, self.cells, cloudpickle.dumps(withheld), True, self.hidden)
         return student, sandbox.Job(call_reference, local)
 
@@ -298,7 +304,9 @@ class Judge:
                 exec(compile(source, f"<setup cell {index}>", "exec"), namespace)
         for name in self.answer_names:
             namespace[name] = StudentName((name,))
-        sealed = Sealed(*self.runners(), cells, self.config.hidden, self.cache)
+        kept = [python_source(c.source) for c in [*self.tests.values(), *self.answers.values()]]
+        sealed = Sealed(*self.runners(), cells, self.config.hidden, self.cache,
+                        [source for _, source, student in cells if not student] + kept)
         verdicts = []
         for gid, cell in self.tests.items():
             seed = int(hashlib.sha256(f"{self.config.salt}/{gid}".encode()).hexdigest()[:12], 16)
