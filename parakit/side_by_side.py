@@ -35,11 +35,13 @@ import torch.distributed.distributed_c10d as c10d
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from parakit import devices
 from parakit.comm import CommLog
 from parakit.devices import MemoryMeter
 from parakit.launcher import launch
 
-__all__ = ["Measured", "Comparison", "CallCounter", "op_name", "measure", "compare", "load_script", "available"]
+__all__ = ["Measured", "Comparison", "CallCounter", "op_name", "measure", "rank_meter", "compare", "load_script",
+           "available"]
 
 
 @dataclass
@@ -49,15 +51,16 @@ class Measured:
     result: object
     collectives: dict[str, int]  # op -> calls, as PyTorch dispatched them: "allreduce", "allgather", "send", ...
     written: int | None  # bytes the OS counted the rank writing during the call; None where it cannot (NCCL)
-    peak: int | None  # peak bytes of the tensors made during the call (None when not measured)
+    peak: int | None  # peak bytes on this rank's device during the call (None when not measured)
     seconds: float
 
 
 def measure(fn, *args, memory: bool = True) -> Measured:
     """Run `fn(*args)` on this rank and measure it; collective: every rank of the default
-    group must call it (it starts with a barrier)."""
+    group must call it (it starts with a barrier). The peak is this rank's device's alone
+    (`rank_meter`)."""
     dist.barrier()
-    meter = MemoryMeter() if memory else None
+    meter = rank_meter() if memory else None
     with CommLog() as log, CallCounter() as counter:
         start = time.perf_counter()
         if meter is None:
@@ -67,6 +70,16 @@ def measure(fn, *args, memory: bool = True) -> Measured:
                 result = fn(*args)
         seconds = time.perf_counter() - start
     return Measured(result, dict(counter.calls), log.written_bytes(), meter.peaks()[0] if meter else None, seconds)
+
+
+def rank_meter(device: torch.device | str | None = None) -> MemoryMeter:
+    """A MemoryMeter of one device: `device`, by default this rank's (`parakit.device()`: its
+    GPU under NCCL, else the CPU, as logical device 0). It resets, reads and makes current
+    that device only, so a rank never meters, or moves onto, another rank's GPU."""
+    device = devices.device() if device is None else torch.device(device)
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device() if device.type == "cuda" else 0)
+    return MemoryMeter([device])
 
 
 COMMUNICATION_LIBRARIES = ("c10d", "_c10d_functional", "c10d_functional")

@@ -123,6 +123,28 @@ def test_the_counter_sees_ddps_all_reduce_issued_from_cpp():
     assert parakit.launch(ddp_twice, world_size=2)[0]["allreduce"] == 2  # one bucket per backward
 
 
+def metered_on_own_device(nbytes):
+    """Measure a function on this rank, its device taken to be logical device `rank` (as each
+    rank's own GPU under NCCL): which devices the meter covers, and the peak it reports."""
+    from unittest import mock
+    from parakit import devices
+    rank = dist.get_rank()
+
+    def allocate():
+        covered = devices.current_meter().devices
+        return covered, torch.ones(nbytes // 4).sum()
+
+    with mock.patch.object(devices, "device", lambda: torch.device("cpu", rank)):
+        measured = side_by_side.measure(allocate)
+    return measured.result[0], measured.peak
+
+
+def test_measure_meters_each_ranks_own_device_only():
+    for rank, (covered, peak) in enumerate(parakit.launch(metered_on_own_device, 4096, world_size=4)):
+        assert covered == [torch.device("cpu", rank)], (rank, covered)   # not every device, not device 0
+        assert peak >= 4096
+
+
 def test_compare_needs_two_versions():
     with pytest.raises(ValueError, match="at least two versions"):
         side_by_side.compare({"torch": by_torch}, torch.randn(3), world_size=2)
