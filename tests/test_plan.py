@@ -254,6 +254,27 @@ def test_tensor_parallel_within_a_node_and_pipelines_across_ranks_first_as_naray
     assert times[16] > times[8] and times[32] > times[16] and times[2] > times[4] > times[8]
 
 
+def run_config_on_a_gpu_host(model, config):
+    """run_config on a rank of gloo (the CPU) in a process that sees 4 GPUs, as on a GPU box."""
+    from unittest import mock
+    import torch
+    from parakit.plan.measure import run_config
+    with mock.patch.object(torch.cuda, "is_available", lambda: True), \
+            mock.patch.object(torch.cuda, "device_count", lambda: 4):
+        return run_config(model, config)
+
+
+@pytest.mark.parametrize("config", [Config(dp=2, zero=1, microbatch=4, dtype="fp32"),
+                                    Config(dp=4, zero=3, microbatch=2, dtype="fp32")], ids=str)
+def test_on_a_gpu_host_the_peak_is_metered_on_the_cpu_its_gloo_ranks_run_on(config):
+    """The ranks run gloo on the CPU; a meter of GPU 0 would read 0 bytes (lesson 10 divides by it)."""
+    from parakit.launcher import launch
+    on_gpu_host = launch(run_config_on_a_gpu_host, tiny_model(), config, world_size=config.devices, backend="gloo")
+    for row in compare(tiny_model(), config, on_gpu_host):
+        assert row["measured_peak"] > row["measured_held"] > 0, row
+        assert abs(row["peak_error"]) <= 0.15, row
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_bytes_sent_within_2_percent(cp):
     model = Model(layers=1, hidden=64, heads=4, seq=32, vocab=2, activations="parakit")

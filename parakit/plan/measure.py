@@ -3,8 +3,10 @@ configuration (dp x pp x cp x tp with BucketedDDP and a pipeline schedule, cp by
 attention in the blocks, ep by experts split over ranks, or dp alone at a ZeRO stage, blocks
 checkpointed or not), measured
 on every rank: bytes written on the wire by the OS (`comm.CommLog.written_bytes`, gloo), the
-ring model's bytes, and the peak of live tensor bytes (`devices.MemoryMeter`: parameters, gradients, optimizer state and everything
-the step allocates). `compare` puts the planner's predictions beside them.
+ring model's bytes, and the peak of live tensor bytes on the device the rank runs on
+(`side_by_side.rank_meter`, the CPU's under gloo even on a GPU host: parameters, gradients,
+optimizer state and everything the step allocates). `compare` puts the planner's predictions
+beside them.
 """
 from __future__ import annotations
 
@@ -16,13 +18,13 @@ from torch import nn
 
 from parakit import comm
 from parakit.checkpoint import Checkpointed, segment_sizes
-from parakit.devices import MemoryMeter
 from parakit.launcher import launch
 from parakit.mesh import Mesh
 from parakit.pipeline import dp_pp_step, split_stages
 from parakit.plan.memory import memory
 from parakit.plan.spec import DTYPES, Config, Model
 from parakit.plan.time import traffic
+from parakit.side_by_side import rank_meter
 from parakit.zero.fsdp import FullyShardedDataParallel
 from parakit.zero.optimizer import ShardedOptimizer
 
@@ -75,8 +77,8 @@ def run_config(model: Model, config: Config) -> dict:
         optimizer.zero_grad(set_to_none=True)
         held = [*mine.parameters(), *(t for s in optimizer.state.values() for t in s.values()
                                       if isinstance(t, torch.Tensor))]
-        with comm.CommLog() as log, MemoryMeter([0]) as meter:
-            meter.place(held + buckets, 0)
+        with comm.CommLog() as log, rank_meter() as meter:  # the device this rank runs on, not GPU 0
+            meter.place(held + buckets, meter.devices[0].index)
             if replica is not None:
                 dp_pp_step(net, balance, ids, target, _lm_loss, pp_group=mesh.pp_group, replica=replica,
                            schedule=config.schedule, num_microbatches=config.microbatches)
