@@ -27,14 +27,14 @@ RIGHT_RING = '''    n, rank = dist.get_world_size(), dist.get_rank()
     chunks = flat.tensor_split(n)
     right, left = (rank + 1) % n, (rank - 1) % n
     for step in range(2 * (n - 1)):
-        i = (rank - step) % n if step < n - 1 else (rank + 1 - step) % n
+        i = (rank - step) % n if step < n - 1 else (rank + n - step) % n
         j = (i - 1) % n
         incoming = torch.empty_like(chunks[j])
         req = dist.isend(chunks[i], right)
         dist.recv(incoming, left)
         req.wait()
         if step < n - 1:
-            chunks[j] += incoming
+            chunks[j].add_(incoming)
         else:
             chunks[j].copy_(incoming)
     tensor.copy_(flat.view_as(tensor))
