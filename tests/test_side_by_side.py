@@ -145,6 +145,30 @@ def test_measure_meters_each_ranks_own_device_only():
         assert peak >= 4096
 
 
+def unseen_by_the_os(x):
+    """measure, as under NCCL, where the OS counts none of the rank's bytes (here: no /proc/self/io):
+    an all-reduce, the ring's sends, and torch's DDP reducing one bucket from C++."""
+    from unittest import mock
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+    from parakit import comm
+    model = DistributedDataParallel(nn.Linear(4, 4))  # 20 parameters: one bucket of 80 bytes
+    with mock.patch.object(comm, "_PROC_IO", "/nonexistent/io"):
+        runs = [side_by_side.measure(by_torch, x), side_by_side.measure(by_ring, x),
+                side_by_side.measure(lambda: model(torch.ones(2, 4)).sum().backward(), memory=False)]
+    return runs, str(side_by_side.Comparison({"torch": runs[:1]}))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_where_the_os_counts_no_bytes_written_is_the_ring_models_and_says_so(world_size):
+    n, x = world_size, torch.randn(1000)
+    for runs, table in parakit.launch(unseen_by_the_os, x, world_size=n):
+        ring = 2 * (n - 1) * x.nbytes // n
+        assert [m.written for m in runs] == [ring, ring, 2 * (n - 1) * 80 // n]
+        assert [m.written_by for m in runs] == ["model"] * 3
+        assert f"{ring:,} (model)" in table
+
+
 def test_compare_needs_two_versions():
     with pytest.raises(ValueError, match="at least two versions"):
         side_by_side.compare({"torch": by_torch}, torch.randn(3), world_size=2)
