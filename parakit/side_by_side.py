@@ -15,8 +15,9 @@ dispatches it (`CallCounter`, a dispatch mode like PyTorch's `CommDebugMode` wit
 per-module tracking): every op of the c10d and functional-collective libraries, so also the
 all-reduces DDP's reducer issues from C++ and the collectives DTensor issues, not only calls
 of `torch.distributed`'s Python functions (parakit's `CommLog` sees those alone). Bytes are what the OS counted the
-rank writing while the step ran (gloo on CPU; None under NCCL, whose transfers it cannot
-see). Nothing here communicates beyond what the measured functions do, plus one barrier
+rank writing while the step ran (gloo on CPU); where the OS sees none of them (NCCL's
+transfers are no write() calls), the ring model's bytes of the collectives counted
+(`comm.ring_bytes`), marked "model". Nothing here communicates beyond what the measured functions do, plus one barrier
 before each measured call so that no rank's clock starts while another is still busy.
 """
 from __future__ import annotations
@@ -32,11 +33,12 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parakit import devices
-from parakit.comm import CommLog
+from parakit.comm import CommLog, ring_bytes
 from parakit.devices import MemoryMeter
 from parakit.launcher import launch
 
@@ -50,9 +52,10 @@ class Measured:
 
     result: object
     collectives: dict[str, int]  # op -> calls, as PyTorch dispatched them: "allreduce", "allgather", "send", ...
-    written: int | None  # bytes the OS counted the rank writing during the call; None where it cannot (NCCL)
+    written: int  # bytes the OS counted the rank writing during the call, or the ring model's where it cannot (NCCL)
     peak: int | None  # peak bytes on this rank's device during the call (None when not measured)
     seconds: float
+    written_by: str = "os"  # "os": the OS's count of writes; "model": the ring model of the collectives counted
 
 
 def measure(fn, *args, memory: bool = True) -> Measured:
@@ -69,7 +72,9 @@ def measure(fn, *args, memory: bool = True) -> Measured:
             with meter:
                 result = fn(*args)
         seconds = time.perf_counter() - start
-    return Measured(result, dict(counter.calls), log.written_bytes(), meter.peaks()[0] if meter else None, seconds)
+    written = log.written_bytes()
+    return Measured(result, dict(counter.calls), counter.model_bytes if written is None else written,
+                    meter.peaks()[0] if meter else None, seconds, "model" if written is None else "os")
 
 
 def rank_meter(device: torch.device | str | None = None) -> MemoryMeter:
@@ -87,8 +92,9 @@ NOT_COMMUNICATION = ("wait_tensor", "wrap_tensor_autograd")  # waits and autogra
 
 
 class CallCounter(TorchDispatchMode):
-    """Counts the communication ops dispatched while it is active: `calls[op]`, and
-    `by_group[(op, ranks)]` with the global ranks of the group each ran on. It lets a DTensor
+    """Counts the communication ops dispatched while it is active: `calls[op]`,
+    `by_group[(op, ranks)]` with the global ranks of the group each ran on, and `model_bytes`,
+    what this rank sends for them by the ring model (`model_bytes_sent`). It lets a DTensor
     turn its ops into collectives first (returns NotImplemented for it), as CommDebugMode
     does, so that the collectives are what it counts."""
 
@@ -96,6 +102,7 @@ class CallCounter(TorchDispatchMode):
         super().__init__()
         self.calls: Counter = Counter()
         self.by_group: Counter = Counter()
+        self.model_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if isinstance(func, torch._ops.HigherOrderOperator):
@@ -104,10 +111,38 @@ class CallCounter(TorchDispatchMode):
             return NotImplemented
         name = func._overloadpacket.__name__.strip("_")
         if func.namespace in COMMUNICATION_LIBRARIES and name not in NOT_COMMUNICATION:
-            op = op_name(name)
+            op, ranks = op_name(name), _group_ranks(args)
             self.calls[op] += 1
-            self.by_group[(op, _group_ranks(args))] += 1
+            self.by_group[(op, ranks)] += 1
+            self.model_bytes += model_bytes_sent(func, op, ranks, args, kwargs)
         return func(*args, **(kwargs or {}))
+
+
+RING_OPS = {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
+            "alltoall": "all_to_all", "broadcast": "broadcast", "reduce": "reduce", "gather": "gather",
+            "scatter": "scatter", "send": "send", "isend": "send"}  # op_name -> comm.ring_bytes's op; others send 0
+INPUTS = ("tensors", "input_tensors", "input_tensor", "input", "inputs", "input_list", "tensor")  # never the outputs
+
+
+def model_bytes_sent(func, op: str, ranks: tuple[int, ...], args, kwargs) -> int:
+    """The bytes this rank sends for one dispatched communication op by the ring model
+    (`comm.ring_bytes` of its input tensors on the group `ranks`); an all-to-all's exactly: its
+    input less the piece addressed to this rank itself."""
+    if op not in RING_OPS:
+        return 0
+    named = {**dict(zip((a.name for a in func._schema.arguments), args)), **(kwargs or {})}
+    inputs = next(named[n] for n in INPUTS if n in named)
+    tensors = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    me, n = (ranks.index(dist.get_rank()), len(ranks)) if dist.get_rank() in ranks else (0, 1)
+    if op == "alltoall":
+        if isinstance(inputs, torch.Tensor):  # [rows, ...] split along dim 0
+            splits = named.get("input_split_sizes") or [inputs.shape[0] // n] * n
+            return nbytes - splits[me] * (inputs[0].numel() if inputs.shape[0] else 0) * inputs.element_size()
+        return nbytes - tensors[me].numel() * tensors[me].element_size()
+    if op == "scatter":  # the root passes every rank's piece; ring_bytes counts in pieces
+        nbytes //= n
+    return ring_bytes(RING_OPS[op], nbytes, n, me, named.get("root_rank", named.get("src")))  # roots: group ranks
 
 
 def _group_ranks(args) -> tuple[int, ...]:
@@ -151,7 +186,7 @@ class Comparison:
         """One row per version and rank: collectives, bytes written, peak bytes, milliseconds."""
         return [{"version": name, "rank": rank,
                  "collectives": ", ".join(f"{op} x{n}" for op, n in sorted(m.collectives.items())) or "none",
-                 "bytes written": m.written, "peak bytes": m.peak, "ms": round(1000 * m.seconds, 1)}
+                 "bytes written": m.written if m.written_by == "os" else f"{m.written:,} (model)", "peak bytes": m.peak, "ms": round(1000 * m.seconds, 1)}
                 for name, runs in self.runs.items() for rank, m in enumerate(runs)]
 
     def __str__(self) -> str:
