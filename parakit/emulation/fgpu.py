@@ -1,0 +1,342 @@
+"""fgpu: GPUs emulated on the CPU, one index per rank (fgpu:0, fgpu:1, ...).
+
+PyTorch's PrivateUse1 device, renamed "fgpu" and served from Python: a tensor on fgpu:i
+lives in CPU memory, and every operator on it runs PyTorch's CPU kernel on that memory
+(`_kernel`). What makes it a GPU is what it refuses, as CUDA does: an operator whose
+tensors live on two devices (fgpu:0 and fgpu:1, or fgpu:0 and the CPU) raises "Expected
+all tensors to be on the same device"; only 0-dim CPU tensors pass, as scalars, and copies
+(`.to`, `copy_`, `.cpu()`) move between devices.
+
+`torch.fgpu` mirrors the part of `torch.cuda` the course uses: device_count,
+current_device, set_device, device, synchronize, memory_allocated, max_memory_allocated,
+reset_peak_memory_stats (every storage made on a device counts there until it dies).
+Random numbers on fgpu come from the CPU's generator. Backward runs in the thread that
+calls it (autograd's per-device threads need a device count a Python backend cannot give).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import sys
+import threading
+import weakref
+
+import torch
+
+__all__ = ["NAME", "install", "cpu_view", "memory_allocated", "max_memory_allocated", "reset_peak_memory_stats"]
+
+NAME = "fgpu"
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_aten = torch.ops.aten
+_SET = _aten.set_.source_Storage_storage_offset
+_state = {"count": 0, "default": 0, "installed": False}  # devices; the current device of new threads
+_local = threading.local()  # .device: this thread's current device
+_memory: dict[int, list[int]] = {}  # device index -> [live bytes, peak bytes]
+_lock = threading.Lock()
+
+
+# ----------------------------------------------------------------------------- torch.fgpu
+
+def is_available() -> bool:
+    return _state["count"] > 0
+
+
+def is_initialized() -> bool:
+    return _state["installed"]
+
+
+def device_count() -> int:
+    return _state["count"]
+
+
+def current_device() -> int:
+    return getattr(_local, "device", _state["default"])
+
+
+def set_device(device) -> None:
+    """Make `device` (an index or torch.device) current in this thread, and in threads started later."""
+    index = _index(device)
+    _local.device = index
+    if threading.current_thread() is threading.main_thread():
+        _state["default"] = index
+
+
+class device(contextlib.ContextDecorator):
+    """`with torch.fgpu.device(i):` makes fgpu:i current in the block, as torch.cuda.device does."""
+
+    def __init__(self, device):
+        self.index = _index(device)
+
+    def __enter__(self):
+        self.saved = current_device()
+        _local.device = self.index
+
+    def __exit__(self, *exc):
+        _local.device = self.saved
+
+
+def synchronize(device=None) -> None:
+    """Nothing to wait for: every kernel has run when its call returns."""
+
+
+def memory_allocated(device=None) -> int:
+    """Bytes of the storages alive on `device` (the current one by default)."""
+    return _memory.get(_index(device), [0, 0])[0]
+
+
+def max_memory_allocated(device=None) -> int:
+    """The most bytes alive on `device` at once since the last reset."""
+    return _memory.get(_index(device), [0, 0])[1]
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    with _lock:
+        counts = _memory.setdefault(_index(device), [0, 0])
+        counts[1] = counts[0]
+
+
+def empty_cache() -> None:
+    """No cache to empty: storages go back to the CPU's allocator when they die."""
+
+
+def manual_seed(seed: int) -> None:
+    """fgpu draws from the CPU's generator: `torch.manual_seed` seeds it."""
+
+
+manual_seed_all = manual_seed
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def _index(device) -> int:
+    if device is None:
+        return current_device()
+    if isinstance(device, str):
+        device = torch.device(device)
+    index = device.index if isinstance(device, torch.device) else int(device)
+    index = current_device() if index is None else index
+    if not 0 <= index < _state["count"]:
+        raise RuntimeError(f"{NAME}:{index}: invalid device ordinal: this box has {_state['count']} emulated "
+                           f"GPUs ({NAME}:0 to {NAME}:{_state['count'] - 1})")
+    return index
+
+
+# ----------------------------------------------------------------------------- registration
+
+_LIBRARY = torch.library.Library("_", "IMPL")
+
+
+def install(count: int) -> None:
+    """Register fgpu with `count` devices (once per process; a later call changes the count)."""
+    _state["count"] = count
+    if _state["installed"]:
+        return
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+    _setup_privateuseone_for_python_backend(NAME, backend_module=sys.modules[__name__])
+    torch._C._set_multithreading_enabled(False)  # backward in the calling thread (see the module's note)
+    _LIBRARY.fallback(_kernel, "PrivateUse1")
+    torch.serialization.register_package(0, lambda storage: None, _load)
+    _state["installed"] = True
+
+
+def _load(storage, location: str):
+    """torch.load (and pickle) of a storage saved from fgpu: its bytes, owned on that device."""
+    if location.startswith(NAME):
+        return _storage_on(storage, _index(location))
+    return None
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+def _kernel(op, *args, **kwargs):
+    """Every operator on fgpu tensors: PyTorch's CPU kernel on the same memory."""
+    if op in _METADATA:
+        return op.redispatch(_CPU_KEYS, *args, **kwargs)
+    if op in _COPIES:
+        return _copy(op, *args)
+    if op is _aten.resize_.default:
+        return _resize(*args, **kwargs)
+    call = _Call(op)
+    out = op(*call.to_cpu(args), **call.to_cpu(kwargs))
+    call.update_inputs()
+    return call.to_fgpu(out)
+
+
+class _Call:
+    """One operator's tensors: fgpu inputs seen as CPU tensors on the same memory, and CPU
+    outputs given back as fgpu tensors (a view of an input stays a view of its storage)."""
+
+    def __init__(self, op):
+        self.op, self.index, self.cpu_found = op, None, None
+        self.storages: dict[int, tuple] = {}  # data pointer -> (CPU storage, fgpu storage) on that memory
+        self.inputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (CPU view, fgpu tensor)
+
+    def to_cpu(self, value):
+        if isinstance(value, torch.Tensor):
+            return self._view(value) if value.device.type == NAME else self._cpu_input(value)
+        if isinstance(value, torch.device) and value.type == NAME:
+            self._on(_index(value))
+            return torch.device("cpu")
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.to_cpu(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self.to_cpu(v) for k, v in value.items()}
+        return value
+
+    def _cpu_input(self, tensor):
+        if tensor.dim() > 0 and self.op.overloadpacket not in _CPU_INDICES_OK:
+            self.cpu_found = tensor.device
+            self._check()
+        return tensor
+
+    def _on(self, index: int) -> None:
+        if self.index is not None and index != self.index:
+            raise _mixed(f"{NAME}:{self.index}", f"{NAME}:{index}", self.op)
+        self.index = index
+        self._check()
+
+    def _check(self) -> None:
+        if self.index is not None and self.cpu_found is not None:
+            raise _mixed(f"{NAME}:{self.index}", str(self.cpu_found), self.op)
+
+    def _view(self, tensor):
+        self._on(tensor.device.index)
+        storage = tensor.untyped_storage()
+        if storage.nbytes() == 0:
+            view = torch.empty(0, dtype=tensor.dtype)  # a kernel may grow it: `update_inputs` takes the new memory
+        else:
+            ptr = storage.data_ptr()
+            if ptr not in self.storages:
+                cpu = torch._C._construct_storage_from_data_pointer(ptr, torch.device("cpu"), storage.nbytes())
+                self.storages[ptr] = cpu, storage
+            view = torch.empty(0, dtype=tensor.dtype).set_(self.storages[ptr][0], tensor.storage_offset(),
+                                                            tensor.size(), tensor.stride())
+        self.inputs.append((view, tensor))
+        return view
+
+    def update_inputs(self) -> None:
+        """An in-place kernel that changed an input's shape or memory (resize_, transpose_):
+        its fgpu tensor takes the CPU view's new shape and memory."""
+        for view, tensor in self.inputs:
+            same_shape = (view.size(), view.stride(), view.storage_offset()) == \
+                (tensor.size(), tensor.stride(), tensor.storage_offset())
+            memory = view.untyped_storage()
+            if same_shape and (memory.nbytes() == 0 or memory.data_ptr() == tensor.untyped_storage().data_ptr()):
+                continue
+            _SET.redispatch(_CPU_KEYS, tensor, self._storage(view, tensor.device.index), view.storage_offset(),
+                            view.size(), view.stride())
+
+    def to_fgpu(self, value):
+        if isinstance(value, torch.Tensor):
+            for view, tensor in self.inputs:
+                if value is view:
+                    return tensor
+            index = current_device() if self.index is None else self.index
+            return _tensor_on(self._storage(value, index), value, index)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.to_fgpu(v) for v in value)
+        return value
+
+    def _storage(self, cpu: torch.Tensor, index: int):
+        """The fgpu storage on `cpu`'s memory: an input's own, or new memory the kernel made."""
+        storage = cpu.untyped_storage()
+        ptr = storage.data_ptr()
+        if storage.nbytes() == 0 or ptr not in self.storages:
+            self.storages[ptr] = storage, _storage_on(storage, index)
+        return self.storages[ptr][1]
+
+
+def _mixed(a: str, b: str, op) -> RuntimeError:
+    return RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                        f"{a} and {b}! (in {op})")
+
+
+def _copy(op, src, dst, *rest):
+    """`_copy_from(src, dst)` and `_copy_from_and_resize(src, dst)`: copies between devices."""
+    if op is _aten._copy_from_and_resize.default and dst.shape != src.shape:
+        dst.resize_(src.shape)
+    target = cpu_view(dst) if dst.device.type == NAME else dst
+    target.copy_(cpu_view(src) if src.device.type == NAME else src)
+    return dst
+
+
+def _resize(tensor, size, memory_format=None):
+    """resize_ on fgpu: within the storage it changes the shape; beyond it, the tensor
+    moves to new memory that starts with its old bytes, as CUDA's resize_ does."""
+    shape = torch.empty(size, dtype=tensor.dtype, device="meta", memory_format=memory_format or torch.contiguous_format)
+    storage = tensor.untyped_storage()
+    needed = tensor.storage_offset() * tensor.element_size() + shape.untyped_storage().nbytes()
+    if needed > storage.nbytes():
+        grown = torch.zeros(needed, dtype=torch.uint8)
+        if storage.nbytes():
+            grown[: storage.nbytes()].copy_(_bytes(storage))
+        storage = _storage_on(grown.untyped_storage(), tensor.device.index)
+    return _SET.redispatch(_CPU_KEYS, tensor, storage, tensor.storage_offset(), shape.size(), shape.stride())
+
+
+def cpu_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor on the same memory as fgpu `tensor` (valid while `tensor` lives)."""
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0:
+        return torch.empty(tensor.shape, dtype=tensor.dtype)
+    return _bytes(storage).view(tensor.dtype).as_strided(tensor.size(), tensor.stride(), tensor.storage_offset())
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A CPU uint8 tensor on an fgpu storage's memory (valid while the storage lives)."""
+    cpu = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), torch.device("cpu"), storage.nbytes())
+    return torch.empty(0, dtype=torch.uint8).set_(cpu)
+
+
+# ----------------------------------------------------------------------------- memory
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLTensor(ctypes.Structure):  # the head of DLPack's DLTensor: data, then device
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice)]
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype, _capsule_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+_DL_EXT_DEV = 12  # DLPack's kDLExtDev: PyTorch reads it as the PrivateUse1 device
+
+
+def _on_fgpu(cpu: torch.Tensor, index: int) -> torch.Tensor:
+    """`cpu` (its memory, owned through DLPack) as a tensor on fgpu:index."""
+    capsule = torch.utils.dlpack.to_dlpack(cpu)
+    head = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
+    head.device.device_type, head.device.device_id = _DL_EXT_DEV, index
+    return torch.utils.dlpack.from_dlpack(capsule)
+
+
+def _storage_on(storage: torch.UntypedStorage, index: int) -> torch.UntypedStorage:
+    """An fgpu:index storage owning CPU `storage`'s memory, counted there until it dies."""
+    owned = _on_fgpu(torch.empty(0, dtype=torch.uint8).set_(storage), index).untyped_storage()
+    nbytes = owned.nbytes()
+    with _lock:
+        counts = _memory.setdefault(index, [0, 0])
+        counts[0] += nbytes
+        counts[1] = max(counts[1], counts[0])
+    weakref.finalize(owned, _release, index, nbytes)
+    return owned
+
+
+def _release(index: int, nbytes: int) -> None:
+    with _lock:
+        _memory[index][0] -= nbytes
+
+
+def _tensor_on(storage: torch.UntypedStorage, like: torch.Tensor, index: int) -> torch.Tensor:
+    """An fgpu tensor on `storage` with `like`'s dtype, offset, shape and strides."""
+    tensor = _on_fgpu(torch.empty(0, dtype=like.dtype), index)
+    return _SET.redispatch(_CPU_KEYS, tensor, storage, like.storage_offset(), like.size(), like.stride())
+
+
+_METADATA = {_aten.set_.source_Storage, _aten.set_.source_Storage_storage_offset,
+             _aten.set_.source_Tensor}  # shape and storage only: the CPU kernel's code serves any device
+_COPIES = {_aten._copy_from.default, _aten._copy_from_and_resize.default}
+_CPU_INDICES_OK = {_aten.index, _aten.index_put_, _aten._index_put_impl_, _aten.index_put}  # as on CUDA, indices may stay on the CPU
