@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
+from parakit import devices
 from parakit.groups import broadcast_from_first
 
 __all__ = ["NaiveDDP", "FlatDDP", "OverlapDDP", "BucketedDDP", "assign_buckets", "allreduce_hook",
@@ -157,18 +158,86 @@ def compress_hook(dtype: torch.dtype):
 
 def timed_hook(hook, events: list):
     """`hook`, timed: each reduction appends (start, end) in time.perf_counter() seconds to
-    `events`, the end taken when the reduction completes (in the communication thread)."""
+    `events`, from the call (the bucket is full) to the reduction's completion. On the CPU
+    (gloo) the end is stamped when the communication thread completes it. On a GPU, NCCL's
+    future completes when the all-reduce is queued, so both are CUDA events on the stream: the
+    start when the bucket's gradients are ready there, the end once the all-reduce has run; an
+    entry is then a `CudaSpan`, read (unpacked) once the GPU has run it."""
+    clocks = {}  # device -> its clock; this rank's GPU's is anchored here, outside backward
+
+    def clock(device: torch.device):
+        if device not in clocks:
+            clocks[device] = CudaClock(device) if device.type == "cuda" else _CPU_CLOCK
+        return clocks[device]
+
+    if devices.device().type == "cuda":
+        clock(devices.device())
 
     def timed(flat, group):
-        start = time.perf_counter()
+        on = clock(flat.device)
+        start = on.stamp()
 
         def done(future):
-            events.append((start, time.perf_counter()))
+            events.append(on.span(start, on.stamp()))
             return future.value()
 
         return hook(flat, group).then(done)
 
     return timed
+
+
+class _CpuClock:
+    stamp = staticmethod(time.perf_counter)
+    span = staticmethod(lambda start, end: (start, end))
+
+
+_CPU_CLOCK = _CpuClock()
+
+
+class CudaClock:
+    """CUDA events on `device` in time.perf_counter() seconds: an anchor event recorded while
+    the GPU is idle marks a known perf_counter time, and an event's seconds are the anchor's
+    plus the GPU's time between them."""
+
+    def __init__(self, device: torch.device):
+        torch.cuda.synchronize(device)
+        self.anchor = torch.cuda.Event(enable_timing=True)
+        self.anchor.record()
+        self.anchor.synchronize()
+        self.at = time.perf_counter()
+
+    def stamp(self) -> torch.cuda.Event:
+        """An event recorded on the current stream: it completes when the GPU gets there."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, event: torch.cuda.Event) -> float:
+        event.synchronize()
+        return self.at + self.anchor.elapsed_time(event) / 1e3
+
+    def span(self, start, end) -> "CudaSpan":
+        return CudaSpan(self, start, end)
+
+
+class CudaSpan:
+    """(start, end) of a reduction as two CUDA events: unpacked, indexed or pickled, the two
+    perf_counter seconds (waiting for the GPU to run them)."""
+
+    def __init__(self, clock: CudaClock, start, end):
+        self.clock, self.start, self.end = clock, start, end
+
+    def __iter__(self):
+        return iter((self.clock.seconds(self.start), self.clock.seconds(self.end)))
+
+    def __getitem__(self, i):
+        return tuple(self)[i]
+
+    def __reduce__(self):
+        return tuple, (tuple(self),)
+
+    def __repr__(self):
+        return repr(tuple(self))
 
 
 class _Bucket:
