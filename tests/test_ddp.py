@@ -429,6 +429,67 @@ def wrap_raises(build):
     return None
 
 
+def timed_buckets():
+    """BucketedDDP with 3 buckets, each all-reduce timed: the spans and the gradients."""
+    model = BucketedDDP(mlp(0, sizes=(6, 64, 64, 3)), bucket_size_mb=16 * 64 * 4 / 2**20)
+    events = []
+    model.register_comm_hook(ddp.timed_hook(ddp.allreduce_hook, events))
+    model(torch.randn(4, 6)).sum().backward()
+    model.finish_gradient_synchronization()
+    return list(events), len(model.buckets)
+
+
+def test_timed_hook_on_the_cpu_gives_one_span_per_bucket_each_ending_after_it_starts():
+    for spans, buckets in parakit.launch(timed_buckets, world_size=2):
+        assert len(spans) == buckets == 3
+        assert all(isinstance(a, float) and a <= b for a, b in spans)
+
+
+class FakeGpu:
+    """A GPU stream as CUDA events see it: an event's time is when the stream gets to it, after
+    the work queued before it (`busy`, seconds)."""
+
+    def __init__(self):
+        self.busy = 0.0
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.at = None
+
+            def record(self, stream=None):
+                self.at = gpu.busy
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, end):  # ms, as torch.cuda.Event's
+                return 1e3 * (end.at - self.at)
+
+        self.Event = Event
+
+
+def test_timed_hook_on_a_gpu_ends_when_the_stream_has_run_the_all_reduce_not_when_nccl_queued_it(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    gpu = FakeGpu()
+    monkeypatch.setattr(torch.cuda, "Event", gpu.Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(ddp.devices, "device", lambda: torch.device("cuda", 0))
+
+    def queued(flat, group):  # NCCL's way: 5 ms of all-reduce queued on the GPU, the future complete at once
+        gpu.busy += 0.005
+        future = torch.futures.Future()
+        future.set_result(flat)
+        return future
+
+    with FakeTensorMode():
+        flat = torch.zeros(4, device="cuda")
+    events = []
+    ddp.timed_hook(queued, events)(flat, None).wait()
+    [(start, end)] = events
+    assert end - start == pytest.approx(0.005)  # the GPU's time of the all-reduce, not the microseconds to queue it
+
+
 @pytest.mark.parametrize("size", [0, -1.0])
 def test_bucket_size_must_be_positive(size):
     for message in parakit.launch(wrap_raises, lambda: BucketedDDP(mlp(0), bucket_size_mb=size), world_size=2):
