@@ -474,7 +474,7 @@ def test_timed_hook_on_a_gpu_ends_when_the_stream_has_run_the_all_reduce_not_whe
     gpu = FakeGpu()
     monkeypatch.setattr(torch.cuda, "Event", gpu.Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(ddp.devices, "device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(parakit.devices, "device", lambda: torch.device("cuda", 0))  # this rank's GPU
 
     def queued(flat, group):  # NCCL's way: 5 ms of all-reduce queued on the GPU, the future complete at once
         gpu.busy += 0.005
