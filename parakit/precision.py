@@ -1,7 +1,9 @@
-"""Mixed precision: dynamic loss scaling with torch.amp.GradScaler's rules, and the error for a
-dtype the backend cannot reduce.
+"""Mixed precision: autocast on the data's device, dynamic loss scaling with
+torch.amp.GradScaler's rules, and the error for a dtype the backend cannot reduce.
 
     scaler = LossScaler()
+    with autocast(torch.float16, x):   # torch.autocast on x's device type (its GPU's, or the CPU's)
+        loss = loss_fn(model(x), y)
     scaler.scale(loss).backward()      # gradients of loss x scale: small fp16 gradients survive
     scaler.step(optimizer)             # unscale, find inf/NaN, step only if there was none
     scaler.update()                    # back off after an overflow; grow after growth_interval clean steps
@@ -22,7 +24,18 @@ import torch.distributed as dist
 
 from parakit.devices import device
 
-__all__ = ["LossScaler", "unsupported_dtype"]
+__all__ = ["LossScaler", "autocast", "unsupported_dtype"]
+
+
+def autocast(dtype: torch.dtype, *data: torch.Tensor, enabled: bool = True) -> torch.autocast:
+    """torch.autocast for the device the data lives on: the device type of `data` (tensors), or
+    of this rank's device (`parakit.device()`) when none is given. (autocast("cpu") around CUDA
+    data casts nothing, silently: the block runs in fp32.)"""
+    types = sorted({t.device.type for t in data}) or [device().type]
+    if len(types) > 1:
+        raise ValueError(f"the data lives on {' and '.join(types)}: autocast casts the operators of one device "
+                         f"type; move it all to this rank's device (parakit.device(): {device()})")
+    return torch.autocast(types[0], dtype, enabled=enabled)
 
 
 class LossScaler:

@@ -14,6 +14,7 @@ from torch import nn
 
 import parakit
 from parakit import zero
+from parakit import precision
 from parakit.precision import LossScaler
 
 STEPS = 20
@@ -39,11 +40,11 @@ def pytorch_amp(dtype):
     in fp32 and rounded to `dtype` (the masters and what the forward computes with)."""
     model = nn.parallel.DistributedDataParallel(mlp())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", **SCALE, enabled=dtype == torch.float16)
+    scaler = torch.amp.GradScaler(parakit.device().type, **SCALE, enabled=dtype == torch.float16)
     losses, scales = [], []
     for x, y in my_batches():
         optimizer.zero_grad()
-        with torch.autocast("cpu", dtype):
+        with precision.autocast(dtype, x):  # on x's device: autocast("cpu") would leave CUDA ops in fp32
             out = model(x)
         loss = F.mse_loss(out.float(), y)
         scaler.scale(loss).backward()
@@ -190,6 +191,21 @@ def test_bytes_at_rest_are_the_papers_mixed_precision_row():
         if stage == 3:
             padding = n * sum(chunks) - psi
             assert sum(sum(r.values()) for r in got) == n * sum(row.values()) + 16 * padding + n * steps  # each rank steps every unit
+
+
+def test_autocast_casts_on_the_device_type_of_the_data():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    x = torch.randn(2, 4)
+    with precision.autocast(torch.bfloat16, x):
+        assert (x @ x.T).dtype == torch.bfloat16
+    with FakeTensorMode():
+        on_gpu = torch.randn(2, 4, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no CUDA here: torch disables the context, and says so
+        assert precision.autocast(torch.bfloat16, on_gpu).device == "cuda"   # not "cpu"
+    assert precision.autocast(torch.float16).device == parakit.device().type  # no data: this rank's device
+    with pytest.raises(ValueError, match="the data lives on cpu and cuda: autocast casts the operators of one device"):
+        precision.autocast(torch.bfloat16, x, on_gpu)
 
 
 # ---------------------------------------------------------------- LossScaler against GradScaler, one process
