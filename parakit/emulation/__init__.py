@@ -1,20 +1,30 @@
-"""A GPU box emulated on the CPU, so that CI runs the course as a box with N GPUs and NCCL would.
+"""A box with N GPUs and NCCL, emulated on the CPU, so that CI runs the course as such a
+box would and fails where it would fail.
 
     PARAKIT_EMULATE_GPUS=4 .venv/bin/jupyter lab lessons/      # or pytest, or a script
 
-`fgpu` is the device: fgpu:0 .. fgpu:N-1, tensors in CPU memory, refusing to mix devices
-as CUDA does.
+With the variable set, `parakit.devices` sees 4 GPUs: `resolve_backend("auto", n)` picks the
+emulated NCCL for n <= 4 and each rank computes on its own device. Two parts:
+
+- `fgpu`: the devices fgpu:0 .. fgpu:N-1, tensors in CPU memory, refusing to mix devices
+  as CUDA does;
+- `nccl` (with `streams`): the backend "fnccl", holding ranks to what NCCL enforces (their
+  own device only, one device per rank, its unsupported operations) and stopping, with the
+  order of each rank's operations, where NCCL would hang (per-stream order, sends that wait
+  for their receives, communicators set up lazily without device_id).
 """
 from __future__ import annotations
 
 import os
 
-from parakit.emulation import fgpu
+from parakit.emulation import fgpu, nccl
 
-__all__ = ["ENV", "DEVICE", "gpus", "install"]
+__all__ = ["ENV", "DEVICE", "BACKEND", "gpus", "install", "idle", "broken"]
 
 ENV = "PARAKIT_EMULATE_GPUS"
 DEVICE = fgpu.NAME
+BACKEND = nccl.BACKEND
+idle, broken = nccl.idle, nccl.broken
 
 
 def gpus() -> int | None:
@@ -28,5 +38,7 @@ def gpus() -> int | None:
 
 
 def install(count: int | None = None) -> None:
-    """Give this process the emulated devices (`count`, by default `gpus()`)."""
-    fgpu.install(count if count is not None else gpus() or 1)
+    """Give this process the emulated devices (`count` of them, by default `gpus()`) and the
+    "fnccl" backend; a later call may change the count."""
+    fgpu.install(count or gpus() or fgpu.device_count() or 1)
+    nccl.register()

@@ -1,0 +1,488 @@
+"""The emulated NCCL: a torch.distributed backend, "fnccl", for ranks on fgpu devices. It
+holds them to NCCL's rules and moves their bytes with gloo.
+
+    dist.init_process_group("fnccl", device_id=torch.device("fgpu", rank))   # after emulation.install()
+
+What NCCL refuses, it refuses: a tensor off the rank's device (a CPU tensor raises NCCL's
+"No backend type associated with device type cpu"), two ranks' communicators on one device
+("Duplicate GPU detected"), non-contiguous tensors in collectives, receiving from any
+source, ReduceOp.BAND/BOR/BXOR, monitored_barrier. Where NCCL hangs, it stops: `streams`
+keeps each communicator's stream in posting order, runs a send only with its receive, and
+sets communicators up eagerly (device_id given: one per group) or lazily (one per pair, at
+its first send or receive). A rank that waits for an operation that can never run gets an
+`EmulatedNCCLError` naming every stuck rank and the order of its operations, as soon as the
+last of them blocks; the world is broken from then on, as an aborted NCCL communicator is.
+`dist.batch_isend_irecv` on such a group posts its operations as one batch, as NCCL does.
+
+The bytes move through a gloo group over the same ranks, between CPU views of the fgpu
+tensors: each operation when the coordinator releases it, by one thread per process in the
+coordinator's order. `Work.wait()` blocks the calling thread until the operation has run
+(where NCCL would make the current stream wait: the emulated kernels run on the host).
+"""
+from __future__ import annotations
+
+import itertools
+import multiprocessing.connection as mpc
+import os
+import pickle
+import queue
+import threading
+from collections import Counter, defaultdict
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from parakit.emulation import fgpu
+from parakit.emulation.streams import Coordinator, Entry, Item
+
+__all__ = ["BACKEND", "EmulatedNCCL", "EmulatedNCCLError", "register", "broken", "idle"]
+
+BACKEND = "fnccl"
+_LINK: list["_Link"] = []  # this process's link to its world's coordinator (made with the default group)
+_ORIGINAL = {"batch_isend_irecv": c10d.batch_isend_irecv}
+
+
+class EmulatedNCCLError(RuntimeError):
+    """An operation NCCL would hang in (or a rule it breaks), found by the coordinator."""
+
+
+def register() -> None:
+    """Make "fnccl" a torch.distributed backend in this process (once)."""
+    if not hasattr(dist.Backend, BACKEND.upper()):
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=[fgpu.NAME])
+        dist.batch_isend_irecv = c10d.batch_isend_irecv = _batch_isend_irecv
+
+
+def broken() -> str | None:
+    """Why this process's emulated world can no longer communicate, or None."""
+    return _LINK[0].fault if _LINK else None
+
+
+def idle(flag: bool, task: int) -> None:
+    """Tell the coordinator this rank has returned from launched call number `task` (it posts
+    nothing more until the next), or starts it: ranks left waiting for it are told at once."""
+    if _LINK and not _LINK[0].fault:
+        _LINK[0].send(("idle", flag, task))
+
+
+def _create(options, _backend_options):
+    ranks = list(options.global_ranks_in_group) or list(range(options.group_size))
+    if not options.global_ranks_in_group or not _LINK:  # the world's first emulated group: its coordinator
+        _connect(options.store, options.group_rank, options.group_size)
+    return EmulatedNCCL(options.store, options.group_rank, options.group_size, ranks, options.timeout,
+                        options.group_id)
+
+
+def _connect(store, rank: int, size: int) -> None:
+    """Rank 0 starts the coordinator and puts its address in the store; every rank links to it."""
+    world = dist.get_world_size() if dist.is_initialized() else size
+    if size != world:
+        raise ValueError(f"the first emulated NCCL group of a world must hold all its {world} ranks, not {size}: "
+                         f"make the default group {BACKEND!r}, or a new_group of every rank first")
+    if rank == 0:
+        authkey = os.urandom(16)
+        store.set("fnccl/coordinator", pickle.dumps((Coordinator(size, authkey).address, authkey)))
+    address, authkey = pickle.loads(store.get("fnccl/coordinator"))
+    _LINK[:] = [_Link(address, authkey, rank)]
+
+
+def _batch_isend_irecv(p2p_op_list):
+    """torch's batch_isend_irecv, whose operations an emulated group posts as one batch."""
+    group = p2p_op_list[0].group if p2p_op_list else None
+    group = group or c10d._get_default_group()
+    if not isinstance(group, EmulatedNCCL):
+        return _ORIGINAL["batch_isend_irecv"](p2p_op_list)
+    group._start_coalescing(None)
+    try:
+        works = _ORIGINAL["batch_isend_irecv"](p2p_op_list)
+    except BaseException:
+        group.batch = None
+        raise
+    group._end_coalescing(None)
+    return works
+
+
+# ------------------------------------------------------------------------------ the link
+
+class _Op:
+    """One entry of this rank's stream: its items' transfers, run on the link's thread."""
+
+    def __init__(self, entry: Entry, link: "_Link"):
+        self.entry, self.link = entry, link
+        self.runs, self.outputs, self.left = [], [], 0
+        self.done, self.error = threading.Event(), None
+        self.future = _Future(self)
+
+    def add(self, item: Item, run, outputs) -> None:
+        self.entry.items.append(item)
+        self.runs.append(run)
+        self.outputs += outputs
+        self.left += 1
+
+    def run(self, index: int) -> None:
+        try:
+            self.runs[index]()
+        except BaseException as error:  # raised where the rank waits
+            self.error = self.error or error
+        self.left -= 1
+        if not self.left:
+            self.finish()
+
+    def finish(self) -> None:
+        self.link.pending.pop(self.entry.id, None)
+        self.done.set()
+        if self.error is None:
+            self.future.set_result(self.outputs)
+        else:
+            self.future.set_exception(self.error)
+
+
+class _Link:
+    """This process's connection to the coordinator: events out; "run", "ready" and "fault"
+    in, read by one thread; released items run by another, in the order they come."""
+
+    def __init__(self, address, authkey: bytes, rank: int):
+        self.conn, self.rank, self.lock = mpc.Client(address, authkey=authkey), rank, threading.Lock()
+        self.ids = itertools.count()
+        self.pending: dict[int, _Op] = {}
+        self.ready: dict[tuple, threading.Event] = defaultdict(threading.Event)
+        self.runs: queue.SimpleQueue = queue.SimpleQueue()
+        self.fault: str | None = None
+        self.send(("hello", rank))
+        threading.Thread(target=self._read, daemon=True, name="fnccl-reader").start()
+        threading.Thread(target=self._execute, daemon=True, name="fnccl-stream").start()
+
+    def send(self, event: tuple) -> None:
+        with self.lock:
+            self.conn.send(event)
+
+    def post(self, op: _Op) -> None:
+        self._raise()
+        self.pending[op.entry.id] = op
+        self.send(("post", op.entry))
+
+    def setup(self, comm: tuple, members: tuple, device: str) -> None:
+        """Make communicator `comm`: blocks until every member has begun it, as ncclCommInitRank does."""
+        self._raise()
+        self.send(("setup", comm, members, device))
+        self.ready[comm].wait()
+        self._raise()
+
+    def wait(self, op: _Op) -> None:
+        """Block until `op` has run; raise its error, or the coordinator's if it never will."""
+        if not op.done.is_set():
+            self._raise()
+            self.send(("wait", op.entry.id))
+            op.done.wait()
+        if op.error is not None:
+            raise op.error
+        self._raise()
+
+    def _raise(self) -> None:
+        if self.fault is not None:
+            raise EmulatedNCCLError(self.fault)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                kind, *args = self.conn.recv()
+            except (EOFError, OSError):
+                return self._broken("the emulated NCCL's coordinator is gone (rank 0's process ended)")
+            if kind == "run":
+                self.runs.put(args)
+            elif kind == "ready":
+                self.ready[args[0]].set()
+            else:
+                self._broken(args[0])
+
+    def _broken(self, text: str) -> None:
+        self.fault = self.fault or text
+        for event in [*self.ready.values(), *(op.done for op in list(self.pending.values()))]:
+            event.set()
+
+    def _execute(self) -> None:
+        while True:
+            entry_id, index = self.runs.get()
+            self.pending[entry_id].run(index)
+
+
+class _Future(torch.futures.Future):
+    """An operation's future; waiting on it waits as `Work.wait` does (told to the coordinator)."""
+
+    def __init__(self, op: _Op):
+        super().__init__()
+        self.op = op
+
+    def wait(self):
+        self.op.link.wait(self.op)
+        return super().wait()
+
+
+class _Work(dist.Work):
+    def __init__(self, op: _Op):
+        super().__init__()
+        self.op = op
+
+    def wait(self, timeout=None):
+        self.op.link.wait(self.op)
+        return True
+
+    def is_completed(self):
+        return self.op.done.is_set()
+
+    def get_future(self):
+        return self.op.future
+
+
+# ------------------------------------------------------------------------------ the group
+
+def _views(tensors) -> list[torch.Tensor]:
+    return [fgpu.cpu_view(t) for t in tensors]
+
+
+def _options(kind, **fields):
+    options = kind()
+    for name, value in fields.items():
+        setattr(options, name, value)
+    return options
+
+
+_REFUSED = {dist.ReduceOp.BAND: "BAND", dist.ReduceOp.BOR: "BOR", dist.ReduceOp.BXOR: "BXOR"}
+
+
+def _reduce(opts):
+    """(the gloo op, whether to divide by the group's size): NCCL's AVG is gloo's SUM, divided."""
+    op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+    for refused, name in _REFUSED.items():
+        if op == refused:
+            raise ValueError(f"Cannot use ReduceOp.{name} with NCCL")
+    return (dist.ReduceOp.SUM, True) if op == dist.ReduceOp.AVG else (op, False)
+
+
+class EmulatedNCCL(dist.ProcessGroup):
+    """A process group of the global `ranks` under NCCL's rules (see the module), the bytes moved by gloo."""
+
+    supports_splitting = False  # what init_process_group(device_id=...) asks of `_get_backend`'s answer
+
+    def __init__(self, store, rank: int, size: int, ranks: list[int], timeout, name: str):
+        super().__init__(rank, size)
+        self.ranks, self.name, self.link = ranks, name, _LINK[0]
+        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        self.eager, self.device, self.batch = False, None, None
+        self.connected: set[tuple] = set()
+        self.counts: Counter = Counter()
+
+    def getBackendName(self):
+        return BACKEND
+
+    @property
+    def _device_types(self):
+        return [torch.device(fgpu.NAME)]
+
+    def _get_backend(self, device):
+        """What init_process_group(device_id=device) (and new_group after it) asks: the group
+        is bound to `device` and, as NCCL's eager start does, makes its communicator now."""
+        device = torch.device(device)
+        if device.type != fgpu.NAME:
+            raise RuntimeError(f"the emulated NCCL group has no backend for device type {device.type}")
+        if not self.eager:
+            self.eager, self.device, self.bound_device_id = True, device, device
+            self._connect(self._comm())
+        return self
+
+    # -------------------------------------------------------------------------- posting
+
+    def _me(self) -> int:
+        return self.ranks[self.rank()]
+
+    def _comm(self, peer: int | None = None) -> tuple:
+        """The communicator an operation goes to: the group's, or (lazy, a single send or
+        receive) its pair's."""
+        if peer is None or self.eager or self.batch is not None:
+            return self.name, "all"
+        return (self.name, *sorted((self._me(), peer)))
+
+    def _check(self, tensors, what: str, contiguous: bool = True) -> None:
+        for tensor in tensors:
+            expected = self.device or torch.device(fgpu.NAME, fgpu.current_device())
+            if tensor.device.type != fgpu.NAME:
+                raise RuntimeError(
+                    f"No backend type associated with device type {tensor.device.type}: {what} on rank {self._me()} "
+                    f"got a tensor on {tensor.device}, but under NCCL this rank's tensors live on {expected}: make "
+                    f"them there (device=parakit.device()) or move them with .to(parakit.device())")
+            if tensor.device != expected and self.device is not None:
+                raise ValueError(f"{what} on rank {self._me()} got a tensor on {tensor.device}, but this rank's NCCL "
+                                 f"communicator is on {self.device} (one device per rank): move it there first")
+            self.device = self.device or tensor.device  # lazy: NCCL takes the first tensor's device
+            if contiguous and not tensor.is_contiguous():
+                raise ValueError("Tensors must be contiguous")
+
+    def _connect(self, comm: tuple) -> None:
+        members = tuple(self.ranks) if comm[1] == "all" else comm[1:]
+        device = self.device or torch.device(fgpu.NAME, fgpu.current_device())
+        self.link.setup(comm, members, str(device))
+        self.connected.add(comm)
+
+    def _add(self, comm: tuple, item: Item, run, outputs) -> _Work:
+        op = self.batch or _Op(Entry(self._me(), next(self.link.ids), comm), self.link)
+        op.add(item, run, outputs)
+        if self.batch is None:
+            self._post(op)
+        return _Work(op)
+
+    def _post(self, op: _Op) -> None:
+        if op.entry.comm not in self.connected:
+            self._connect(op.entry.comm)
+        self.link.post(op)
+
+    def _collective(self, what: str, tensors, run, outputs) -> _Work:
+        self._check(tensors, what)
+        comm = self._comm()
+        self.counts[comm] += 1
+        return self._add(comm, Item((comm, "coll", self.counts[comm] - 1), tuple(self.ranks), what), run, outputs)
+
+    def _p2p(self, sending: bool, tensor, peer: int, run) -> _Work:
+        what = f"{'send to' if sending else 'recv from'} rank {self.ranks[peer]}"
+        self._check([tensor], what, contiguous=False)
+        src, dst = (self._me(), self.ranks[peer]) if sending else (self.ranks[peer], self._me())
+        comm = self._comm(self.ranks[peer])
+        self.counts[comm, src, dst] += 1
+        key = (comm, "p2p", src, dst, self.counts[comm, src, dst] - 1)
+        return self._add(comm, Item(key, (src, dst), what), run, [tensor])
+
+    def _start_coalescing(self, device):
+        """Operations from here to `_end_coalescing` go out as one batch (NCCL's group call)."""
+        self.batch = _Op(Entry(self._me(), next(self.link.ids), self._comm()), self.link)
+
+    def _end_coalescing(self, device):
+        op, self.batch = self.batch, None
+        if op.entry.items:
+            self._post(op)
+        else:
+            op.finish()
+        return _Work(op)
+
+    # -------------------------------------------------------------------------- operations
+
+    def send(self, tensors, dst, tag=0):
+        (tensor,) = tensors
+        return self._p2p(True, tensor, dst, lambda: self.gloo.send([fgpu.cpu_view(tensor).contiguous()], dst, 0).wait())
+
+    def recv(self, tensors, src, tag=0):
+        (tensor,) = tensors
+
+        def run():
+            view = fgpu.cpu_view(tensor)
+            buffer = view if view.is_contiguous() else torch.empty_like(view, memory_format=torch.contiguous_format)
+            self.gloo.recv([buffer], src, 0).wait()
+            if buffer is not view:
+                view.copy_(buffer)
+        return self._p2p(False, tensor, src, run)
+
+    def recv_anysource(self, tensors, tag=0):
+        raise RuntimeError("ProcessGroupNCCL does not support recvAnysource: name the sender (src=...)")
+
+    def monitored_barrier(self, *args, **kwargs):
+        raise RuntimeError("monitored_barrier is only implemented for the GLOO backend")
+
+    def barrier(self, opts=None):
+        return self._collective("barrier", [], lambda: self.gloo.barrier(dist.BarrierOptions()).wait(), [])
+
+    def allreduce(self, tensors, opts=None):
+        op, average = _reduce(opts)
+
+        def run():
+            views = _views(tensors)
+            self.gloo.allreduce(views, _options(dist.AllreduceOptions, reduceOp=op)).wait()
+            for view in views if average else ():
+                view.div_(self.size())
+        return self._collective("all_reduce", tensors, run, tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        return self._collective("broadcast", tensors, lambda: self.gloo.broadcast(
+            _views(tensors), _options(dist.BroadcastOptions, rootRank=root, rootTensor=0)).wait(), tensors)
+
+    def reduce(self, tensors, opts=None):
+        op, average = _reduce(opts)
+
+        def run():
+            views = _views(tensors)
+            self.gloo.reduce(views, _options(dist.ReduceOptions, reduceOp=op, rootRank=opts.rootRank)).wait()
+            for view in views if average and self.rank() == opts.rootRank else ():
+                view.div_(self.size())
+        return self._collective("reduce", tensors, run, tensors)
+
+    def allgather(self, output_lists, inputs, opts=None):
+        outputs = [t for ts in output_lists for t in ts]
+        return self._collective("all_gather", [*inputs, *outputs], lambda: self.gloo.allgather(
+            [_views(ts) for ts in output_lists], _views(inputs)).wait(), outputs)
+
+    def all_gather_single(self, output, input, opts=None):
+        return self.allgather_into_tensor_coalesced([output], [input], opts)
+
+    _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        def run():
+            for output, input in zip(_views(outputs), _views(inputs)):
+                self.gloo._allgather_base(output, input).wait()
+        return self._collective("all_gather_into_tensor", [*inputs, *outputs], run, outputs)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        op, average = _reduce(opts)
+        inputs = [t for ts in input_lists for t in ts]
+
+        def run():
+            views = _views(outputs)
+            self.gloo.reduce_scatter(views, [_views(ts) for ts in input_lists],
+                                     _options(dist.ReduceScatterOptions, reduceOp=op)).wait()
+            for view in views if average else ():
+                view.div_(self.size())
+        return self._collective("reduce_scatter", [*inputs, *outputs], run, outputs)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return self.reduce_scatter_tensor_coalesced([output], [input], opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        op, average = _reduce(opts)
+
+        def run():
+            for output, input in zip(_views(outputs), _views(inputs)):
+                self.gloo._reduce_scatter_base(output, input, _options(dist.ReduceScatterOptions, reduceOp=op)).wait()
+                if average:
+                    output.div_(self.size())
+        return self._collective("reduce_scatter_tensor", [*inputs, *outputs], run, outputs)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
+        return self._collective("all_to_all_single", [input, output], lambda: self.gloo.alltoall_base(
+            fgpu.cpu_view(output), fgpu.cpu_view(input), list(output_splits or []), list(input_splits or []),
+            dist.AllToAllOptions()).wait(), [output])
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs, inputs, opts=None):
+        return self._collective("all_to_all", [*inputs, *outputs], lambda: self.gloo.alltoall(
+            _views(outputs), _views(inputs), dist.AllToAllOptions()).wait(), outputs)
+
+    def gather(self, output_lists, inputs, opts=None):
+        outputs = [t for ts in output_lists for t in ts]
+        return self._collective("gather", [*inputs, *outputs], lambda: self.gloo.gather(
+            [_views(ts) for ts in output_lists], _views(inputs),
+            _options(dist.GatherOptions, rootRank=opts.rootRank)).wait(), outputs)
+
+    def scatter(self, outputs, input_lists, opts=None):
+        inputs = [t for ts in input_lists for t in ts]
+        return self._collective("scatter", [*inputs, *outputs], lambda: self.gloo.scatter(
+            _views(outputs), [_views(ts) for ts in input_lists],
+            _options(dist.ScatterOptions, rootRank=opts.rootRank)).wait(), outputs)
