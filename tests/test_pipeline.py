@@ -68,8 +68,30 @@ def built(request, tmp_path_factory) -> Built:
     return Built(lesson, solutions, tmp / "lessons", lesson.panel(released, lesson.solution))
 
 
+CODE: list[Path] = []  # where the copy of parakit and autograde that `run_course` runs lies
+
+
+@pytest.fixture(scope="module", autouse=True)
+def code_copy(tmp_path_factory) -> Path:
+    """parakit and autograde, copied: the grader guards the code it runs and puts back any file
+    that changed while it graded, so run on the checkout it would undo an edit made meanwhile
+    (and grade with half of one)."""
+    root = tmp_path_factory.mktemp("code")
+    for name in ("parakit", "autograde"):
+        shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+    CODE[:] = [root]
+    return root
+
+
+def on_the_copy() -> dict:
+    """Where and how a command runs the copy of the code (`code_copy`): its folder, its path."""
+    path = os.pathsep.join(filter(None, [str(CODE[0]), os.environ.get("PYTHONPATH")]))
+    return {"cwd": CODE[0], "env": {**os.environ, "PYTHONPATH": path}}
+
+
 def run_course(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "autograde.course", *args], cwd=REPO,
+    """`python -m autograde.course *args` on the copy of the code."""
+    return subprocess.run([sys.executable, "-m", "autograde.course", *args], **on_the_copy(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -292,7 +314,7 @@ def test_a_grade_run_killed_midway_loses_nothing_graded_and_the_next_run_resumes
     out = tmp_path / "out"
     args = ["--solutions", str(built.solutions), "grade", str(folder), "--root", str(graded.root),
             "--timeout", str(built.lesson.timeout), "--out", str(out)]
-    command = subprocess.Popen([sys.executable, "-m", "autograde.course", *args], cwd=REPO, text=True,
+    command = subprocess.Popen([sys.executable, "-m", "autograde.course", *args], **on_the_copy(), text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, process_group=0)
     first = command.stdout.readline()
     os.killpg(command.pid, signal.SIGKILL)
@@ -341,9 +363,11 @@ def test_an_answer_that_misses_or_misnames_what_the_tests_need_is_said_in_one_li
 @ON_00_ONLY
 def test_hostile_students_leave_nothing_behind(built, graded):
     """Their scores are in the panel; here: no process of theirs lives on, the judge never ran
-    their pickle, and the course's files are as they were (git sees no change in parakit/)."""
+    their pickle, and the course's files are as they were: the copy of parakit the grade ran and
+    the checkout's."""
     assert processes_with(hostile.MARKER) == []
     assert not hostile.UNPICKLED.exists()
-    for path in (REPO / "parakit" / "grading" / "__init__.py", REPO / "parakit" / "comm.py"):
-        assert "PWNED" not in path.read_text()
+    for root in (CODE[0], REPO):
+        for path in (root / "parakit" / "grading" / "__init__.py", root / "parakit" / "comm.py"):
+            assert "PWNED" not in path.read_text()
     assert "passed in the submitted notebook's own run but fails" in graded.report_of("replaces_the_checks")
