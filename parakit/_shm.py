@@ -1,6 +1,6 @@
 """The launcher's data path: objects pickled by value, their tensors' bytes in shared memory.
 
-    data = dumps(obj, "parakit-123-7-a")   # cloudpickle, but each CPU storage -> one file
+    data = dumps(obj, "parakit-123-7-a")   # cloudpickle, but each storage -> one file
     obj = loads(data, shared=False)        # every storage mapped from its file, copy-on-write
 
 `dumps` pickles with cloudpickle (so functions and classes from a notebook cell travel by
@@ -17,6 +17,11 @@ copies of the pages it writes, so neither the file nor the other processes see t
 The files are removed by `removed_after(prefix)` when the call that made them ends; a
 mapping keeps its pages after that, and frees them with the last tensor that uses them (a
 rank that keeps an argument in a global or a %%ranks name keeps its pages until it drops it).
+
+Devices: a storage on a GPU travels as its bytes copied to the CPU, so `dumps` brings every
+tensor to the CPU, inside any object; `loads(device=...)` puts every storage on that device
+(views still share); `dumps(detach=True)` sends tensors that require grad detached, as the
+values they hold (parameters stay parameters).
 
 Why not torch.multiprocessing's own reductions: they move the sender's storage into shared
 memory in place, keep a file descriptor open per storage in every process (Linux's default
@@ -39,10 +44,11 @@ DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 INLINE_BYTES = 64 * 1024  # smaller storages travel inside the pickle
 
 
-def dumps(obj, prefix: str) -> bytes:
-    """`obj` pickled by value, each CPU storage's bytes written to the file DIR/prefix<n>."""
+def dumps(obj, prefix: str, detach: bool = False) -> bytes:
+    """`obj` pickled by value, each storage's bytes (on the CPU) written to the file
+    DIR/prefix<n>; tensors that require grad detached if `detach`."""
     buffer = io.BytesIO()
-    _Pickler(buffer, prefix, write=True).dump(obj)
+    _Pickler(buffer, prefix, write=True, detach=detach).dump(obj)
     return buffer.getvalue()
 
 
@@ -51,10 +57,11 @@ def check_picklable(obj) -> None:
     _Pickler(io.BytesIO(), "", write=False).dump(obj)
 
 
-def loads(data: bytes, shared: bool):
+def loads(data: bytes, shared: bool, device: torch.device | None = None):
     """The object `dumps` made, its storages mapped from their files: copy-on-write, or
-    writable in place when `shared` (for the only process that reads these files)."""
-    return _Unpickler(io.BytesIO(data), shared).load()
+    writable in place when `shared` (for the only process that reads these files); or, for a
+    `device` other than the CPU, copied onto it."""
+    return _Unpickler(io.BytesIO(data), shared, device).load()
 
 
 @contextlib.contextmanager
@@ -88,22 +95,33 @@ def _alive(pid: int) -> bool:
 
 
 class _Pickler(cloudpickle.Pickler):
-    def __init__(self, file, prefix: str, write: bool):
+    def __init__(self, file, prefix: str, write: bool, detach: bool = False):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.prefix, self.write = prefix, write
+        self.prefix, self.write, self.detach = prefix, write, detach
         self.names: dict[int, tuple] = {}  # storage (its StorageImpl) -> (name, its bytes or their number)
+        self.copies: list[torch.UntypedStorage] = []  # GPU storages' CPU copies, alive while pickling
+
+    def reducer_override(self, obj):
+        if self.detach and type(obj) is torch.Tensor and obj.requires_grad:
+            return obj.detach().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return super().reducer_override(obj)
 
     def persistent_id(self, obj):
-        """A CPU storage is pickled as (name, its bytes or, for a file, their number, dtype);
-        anything else as usual."""
+        """A storage is pickled as (name, its bytes or, for a file, their number, dtype), a
+        GPU's as its bytes copied to the CPU; anything else as usual."""
         if isinstance(obj, torch.storage.TypedStorage):
             storage, dtype = obj._untyped_storage, obj.dtype
         elif isinstance(obj, torch.UntypedStorage):
             storage, dtype = obj, None
         else:
             return None
-        if storage.device.type != "cpu":
-            return None  # copied by value, as torch.save does
+        if storage._cdata not in self.names and storage.device.type != "cpu":
+            self.copies.append(storage.cpu())
+            self.names[storage._cdata] = self._name(self.copies[-1])
+        return *self._name(storage), dtype
+
+    def _name(self, storage: torch.UntypedStorage) -> tuple:
+        """(name, its bytes or their number) of a CPU storage, its file written the first time."""
         if storage._cdata not in self.names:
             name = f"{self.prefix}{len(self.names)}"
             if storage.nbytes() < INLINE_BYTES:
@@ -112,7 +130,7 @@ class _Pickler(cloudpickle.Pickler):
                 self.names[storage._cdata] = name, storage.nbytes()
                 if self.write:
                     _write(storage, os.path.join(DIR, name))
-        return *self.names[storage._cdata], dtype
+        return self.names[storage._cdata]
 
 
 def _write(storage: torch.UntypedStorage, path: str) -> None:
@@ -122,17 +140,19 @@ def _write(storage: torch.UntypedStorage, path: str) -> None:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, shared: bool):
+    def __init__(self, file, shared: bool, device: torch.device | None):
         super().__init__(file)
-        self.shared = shared
+        self.shared, self.device = shared, device
         self.storages: dict[str, torch.UntypedStorage] = {}
 
     def persistent_load(self, pid):
         name, content, dtype = pid
         if name not in self.storages:
-            self.storages[name] = (torch.UntypedStorage.from_buffer(content, dtype=torch.uint8)
-                                   if isinstance(content, bytes)
-                                   else torch.UntypedStorage.from_file(os.path.join(DIR, name), self.shared, content))
+            storage = (torch.UntypedStorage.from_buffer(content, dtype=torch.uint8) if isinstance(content, bytes)
+                       else torch.UntypedStorage.from_file(os.path.join(DIR, name), self.shared, content))
+            if self.device is not None and self.device.type != "cpu":
+                storage = torch.empty(0, dtype=torch.uint8).set_(storage).to(self.device).untyped_storage()
+            self.storages[name] = storage
         storage = self.storages[name]
         return storage if dtype is None else torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype,
                                                                          _internal=True)

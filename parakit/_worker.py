@@ -6,6 +6,10 @@ tensors travel through shared-memory files (`parakit._shm`), which the caller re
 Two threads: the main thread runs tasks one after the other; a listener thread reads the
 control connection, queues tasks, answers status questions at once (even while the main
 thread waits inside a collective), and ends the process when the caller goes away.
+
+Devices follow `parakit.devices`' rule: under NCCL rank r works on GPU r, made current before
+its process group exists and passed as device_id; the task's tensors (inside any object)
+arrive on that device, and the result's go back to the CPU, detached.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from parakit import _shm, comm
+from parakit import _shm, comm, devices, emulation
 
 _THIS_FILE = __file__.removesuffix("c")
 # frames from these folders are left out of the stacks a rank reports: torch, multiprocessing, threading
@@ -37,48 +41,51 @@ _send_lock = threading.Lock()
 _state = {"task": None}  # id of the task the main thread runs now, or None
 
 
-def main(rank, world_size, backend, store_port, conn, out_w, err_w, timeout_s):
-    """Set the process up as rank `rank`, join the process group, then serve tasks."""
+def main(rank, world_size, backend, gpus, store_port, conn, out_w, err_w, timeout_s):
+    """Set the process up as rank `rank`, join the process group (on GPU `rank` under NCCL,
+    of `gpus` emulated ones under "fnccl"), then serve tasks."""
     _redirect_output(out_w, err_w)
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller cancels us; Ctrl-C is its own
     _set_environment(rank, world_size, store_port)
     comm.install(wait_for_gpu=backend == "nccl")
-    _adopt_seed_style_calls(backend)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
     store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False,
                           timeout=timedelta(seconds=timeout_s))
-    _ORIGINAL["init"](backend, store=store, rank=rank, world_size=world_size,
-                      timeout=timedelta(minutes=30))
+    devices.join(backend, rank, gpus, store=store, rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
+    _adopt_seed_style_calls(backend)
     threading.Thread(target=_listen, args=(conn,), daemon=True, name="parakit-listener").start()
     _send(conn, ("ready", rank))
     while True:
         task_id, payload = _tasks.get()
         _state["task"] = task_id
-        reply = _run(rank, payload)
+        reply = _run(rank, task_id, payload)
         sys.stdout.flush()
         sys.stderr.flush()
         _state["task"] = None
         _send(conn, ("done", task_id) + reply + (dict(comm.TRACKER.messages),))
 
 
-def _run(rank, payload):
-    """Run one task; returns ("ok", result bytes, comm calls) or ("error", text, comm calls)
-    (the caller also gets the messages sent to and received from each peer). The arguments'
-    tensors are mapped copy-on-write: this rank's writes into them stay its own. The result's
-    tensors go to shared-memory files named after the task's prefix and this rank."""
+def _run(rank, task_id, payload):
+    """Run one task; returns ("ok", result bytes, comm calls) or ("error", text, comm calls),
+    "broken" for "error" where the emulated NCCL can no longer communicate (the caller also
+    gets the messages sent to and received from each peer). The arguments' tensors are on
+    this rank's device, on the CPU mapped copy-on-write: this rank's writes into them stay
+    its own. The result's tensors go to shared-memory files named after the task's prefix
+    and this rank, on the CPU and detached."""
     comm.TRACKER.reset()
+    emulation.idle(False, task_id)
     try:
         cwd, path, sources, prefix, blob = payload
         _sync_caller_context(cwd, path, sources)
-        fn, args = _shm.loads(blob, shared=False)
+        fn, args = _shm.loads(blob, shared=False, device=devices.device())
         result = fn(*args)
     except BaseException as error:  # a student's code may raise anything, SystemExit too
-        return ("error", _format_error(error), comm.TRACKER.seq)
+        return ("broken" if emulation.broken() else "error", _format_error(error), comm.TRACKER.seq)
+    finally:
+        emulation.idle(True, task_id)
     try:
-        return ("ok", _shm.dumps(_to_cpu(result), f"{prefix}r{rank}-"), comm.TRACKER.seq)
+        return ("ok", _shm.dumps(result, f"{prefix}r{rank}-", detach=True), comm.TRACKER.seq)
     except Exception as error:
         message = (f"rank {rank} returned a {type(result).__name__} that cannot be sent back "
                    f"({type(error).__name__}: {error}). Return tensors, numbers, strings or "
@@ -137,17 +144,6 @@ def _format_error(error: BaseException) -> str:
     return "".join(traceback.format_exception(type(error), error, tb))
 
 
-def _to_cpu(value):
-    """Tensors (also inside lists, tuples and dicts) detached and moved to the CPU."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_to_cpu(v) for v in value)
-    if isinstance(value, dict) and type(value) is dict:
-        return {k: _to_cpu(v) for k, v in value.items()}
-    return value
-
-
 def _sync_caller_context(cwd, path, sources):
     """Work in the caller's folder, import from its sys.path, and know its cells' source
     (so tracebacks of code defined in a notebook show their lines)."""
@@ -204,7 +200,8 @@ def _adopt_seed_style_calls(backend) -> None:
     def init_process_group(*args, **kwargs):
         asked = signature.bind(*args, **kwargs).arguments
         wanted = asked.get("backend")
-        if wanted and str(wanted).lower() not in (backend, "cpu:gloo,cuda:nccl"):
+        stands_in = backend == emulation.BACKEND and str(wanted).lower() == "nccl"  # the emulated box's NCCL
+        if wanted and str(wanted).lower() not in (backend, "cpu:gloo,cuda:nccl") and not stands_in:
             raise ValueError(f"init_process_group({wanted!r}): the ranks of this pool run backend "
                              f"{backend!r}; call parakit.launch(..., backend={str(wanted)!r}) to use {wanted}")
         for name, actual in (("world_size", dist.get_world_size()), ("rank", dist.get_rank())):

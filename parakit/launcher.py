@@ -4,15 +4,18 @@
 
 The ranks are a warm pool of worker processes (started by a forkserver that has imported
 torch, never by forking the caller), each already in a process group (NCCL with one GPU per
-rank where there are enough GPUs, else gloo on CPU); the forkserver is torch.multiprocessing's.
-The function and its arguments travel by value (cloudpickle), so functions and classes
-defined in a notebook cell work, but the bytes of their CPU tensors travel through shared
-memory (`parakit._shm`): written once, mapped by every rank. Each rank's arguments are its
-own: a rank that writes into one in place gets a private copy of the pages it writes, and
-neither the caller nor the other ranks see the change. Results come back moved to the CPU,
-their tensors' bytes through shared memory too. The shared files are removed when the call
-ends, however it ends. While the ranks run, their output is printed here, each line
-prefixed by its rank.
+rank where there are enough GPUs, else gloo on CPU; see `parakit.devices`); the forkserver
+is torch.multiprocessing's. The function and its arguments travel by value (cloudpickle), so
+functions and classes defined in a notebook cell work, but the bytes of their tensors travel
+through shared memory (`parakit._shm`): written once, mapped by every rank. Each tensor in
+the arguments, inside any object, arrives on the rank's device: under NCCL rank r's GPU r
+(whatever device it had here: a notebook's cuda:0 tensor reaches rank 2 on cuda:2), under
+gloo the CPU (a GPU tensor is copied there). Each rank's arguments are its own: a rank that
+writes into one in place gets a private copy of the pages it writes, and neither the caller
+nor the other ranks see the change. Results come back on the CPU, detached, inside any
+object (lists, dicts of every kind, dataclasses, named tuples, modules), their tensors'
+bytes through shared memory too. The shared files are removed when the call ends, however
+it ends. While the ranks run, their output is printed here, each line prefixed by its rank.
 
 When something goes wrong the call raises a `LaunchError` that says what each rank did:
 the traceback of each rank that raised, how a dead rank died, or, for ranks that hang in
@@ -39,8 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from parakit import _shm, _worker
-from parakit.devices import device, resolve_backend, select_backend
+from parakit import _shm, _worker, emulation
+from parakit.devices import accelerator, device, resolve_backend, select_backend
 
 __all__ = ["launch", "device", "shutdown", "pool_generation", "LaunchError", "RankError", "RankDied", "CollectiveHang", "LaunchTimeout"]
 
@@ -83,7 +86,8 @@ def launch(fn, *args, world_size: int, backend: str = "auto", timeout: float = D
     Inside `fn`, torch.distributed is initialised (rank, world size, default group) and the
     torchrun variables RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set.
     `backend` is "auto", "gloo" or "nccl"; `timeout` is in seconds. Sends every rank the
-    pickled call, its CPU tensors' bytes once through shared memory for all ranks.
+    pickled call, its tensors' bytes once through shared memory for all ranks; each rank gets
+    them on its own device (`parakit.device()`), and every result comes back on the CPU.
     """
     __tracebackhide__ = True
     _check_arguments(world_size, timeout)
@@ -245,6 +249,9 @@ class _Pool:
 
     def __init__(self, world_size: int, backend: str):
         self.world_size, self.backend = world_size, backend
+        self.gpus = accelerator()[1]  # the emulated box's GPUs, for "fnccl"
+        if backend == emulation.BACKEND:
+            emulation.install(self.gpus)  # results may hold fgpu devices
         self.generation = next(self._ids)
         self.sent_sources: set[str] = set()
         self.store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
@@ -263,7 +270,8 @@ class _Pool:
         err, err_w = context.Pipe(duplex=False)
         process = context.Process(
             target=_worker.main, name=f"parakit-rank-{rank}",
-            args=(rank, self.world_size, self.backend, self.store.port, child_conn, out_w, err_w, START_TIMEOUT),
+            args=(rank, self.world_size, self.backend, self.gpus, self.store.port, child_conn, out_w, err_w,
+                  START_TIMEOUT),
         )
         with _main_module_hidden():
             process.start()
@@ -470,7 +478,8 @@ class _Call:
             return [_shm.loads(self.replies[r][1], shared=True) for r in range(self.pool.world_size)]
         error = self._failure_error()
         calls = {reply[2] for reply in self.replies.values()}
-        if self.deaths or self.unfinished() or len(calls) > 1:
+        broken = any(reply[0] == "broken" for reply in self.replies.values())  # an emulated NCCL that hung
+        if self.deaths or self.unfinished() or len(calls) > 1 or broken:
             self.pool.stop()  # the process group may be out of step: start afresh next call
         raise error
 

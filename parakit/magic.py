@@ -3,8 +3,8 @@
     %load_ext parakit
 
     %%ranks 4
-    import torch, torch.distributed as dist
-    x = torch.ones(2) * dist.get_rank()
+    import parakit, torch, torch.distributed as dist
+    x = torch.ones(2, device=parakit.device()) * dist.get_rank()   # this rank's GPU under NCCL
     dist.all_reduce(x)
     x                      # the last expression is printed by every rank
 

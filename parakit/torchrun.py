@@ -22,10 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from parakit.devices import select_backend
+from parakit import devices
 
 __all__ = ["process_group", "node_backend", "run"]
 
@@ -34,7 +33,7 @@ def node_backend(backend: str, local_world_size: int, gpus: int, nccl_built: boo
     """The backend for a node running `local_world_size` ranks with `gpus` GPUs: NCCL needs one
     GPU per rank on the node (torchrun's LOCAL_WORLD_SIZE); "auto" falls back to gloo, "nccl" is refused."""
     try:
-        return select_backend(backend, local_world_size, gpus, nccl_built)
+        return devices.select_backend(backend, local_world_size, gpus, nccl_built)
     except ValueError as error:
         raise ValueError(f"on this node (LOCAL_WORLD_SIZE={local_world_size}): {error}") from None
 
@@ -43,16 +42,18 @@ def node_backend(backend: str, local_world_size: int, gpus: int, nccl_built: boo
 def process_group(backend: str = "auto"):
     """The default process group for the block. Where none exists (a script under torchrun),
     join one from the environment (env://) with `backend` ("auto": NCCL when this node has a
-    GPU for each of its ranks, each rank on GPU LOCAL_RANK; else gloo) and destroy it after;
-    where one exists (parakit.launch's ranks), use it as it is."""
+    GPU for each of its ranks; else gloo) under `parakit.devices`' rule (each NCCL rank on
+    GPU LOCAL_RANK, passed as device_id) and destroy it after; where one exists
+    (parakit.launch's ranks), use it as it is."""
     if dist.is_initialized():
         yield
         return
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    chosen = node_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), gpus, dist.is_nccl_available())
-    if chosen == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(chosen)
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    try:
+        chosen = devices.resolve_backend(backend, local_world_size)
+    except ValueError as error:
+        raise ValueError(f"on this node (LOCAL_WORLD_SIZE={local_world_size}): {error}") from None
+    devices.join(chosen, int(os.environ.get("LOCAL_RANK", 0)))
     try:
         yield
     finally:

@@ -11,6 +11,7 @@ import json
 import pytest
 
 from conftest import run_script
+from parakit import devices
 from parakit.emulation.streams import Entry, Item, Streams
 
 GROUP = ("0", "all")
@@ -156,3 +157,162 @@ def test_streams_refuse_mismatched_collectives():
     streams.post(0, Entry(0, 0, GROUP, [Item((GROUP, "coll", 0), (0, 1), "all_reduce")]))
     faults = streams.post(1, Entry(1, 0, GROUP, [Item((GROUP, "coll", 0), (0, 1), "broadcast")]))
     assert faults[0][1][1].startswith("collective mismatch on group 0: its call #1 is ")
+
+
+# ---------------------------------------------------------------- the device rule
+
+def test_world_size_beyond_the_emulated_gpus_is_refused_naming_the_rank(monkeypatch):
+    monkeypatch.setenv("PARAKIT_EMULATE_GPUS", "4")
+    assert devices.resolve_backend("auto", 4) == "fnccl" and devices.resolve_backend("auto", 5) == "gloo"
+    with pytest.raises(ValueError, match=r"^backend 'nccl' needs one GPU per rank: world_size=5 but 4 emulated GPU\(s\) "
+                                         r"\(PARAKIT_EMULATE_GPUS=4\); use backend='gloo' \(or 'auto', which picks gloo "
+                                         r"here\), or world_size=4 or fewer \(rank 4 would have no GPU\)$"):
+        devices.resolve_backend("nccl", 5)
+
+
+README = """
+import json, parakit, torch, torch.distributed as dist
+from parakit import _worker, launcher
+
+def work(x):
+    dist.all_reduce(x)            # the ranks are already in a process group
+    return x
+
+results = parakit.launch(work, torch.ones(3), world_size=4)
+cell = "import torch, torch.distributed as dist, parakit\\nx = torch.ones(2, device=parakit.device()) * dist.get_rank()\\ndist.all_reduce(x)\\nx"
+parakit.launch(_worker.run_cell, cell, "<ranks-cell-1>", world_size=4)  # what %%ranks 4 runs
+where = parakit.launch(lambda: (str(parakit.device()), dist.get_backend()), world_size=4)
+print(json.dumps({"results": [r.tolist() for r in results], "where": where}))
+"""
+
+
+def test_readme_example_runs_on_the_emulated_box(tmp_path):
+    found = run_emulated(tmp_path, README)
+    assert found["results"] == [[4.0, 4.0, 4.0]] * 4
+    assert found["where"] == [[f"fgpu:{rank}", "fnccl"] for rank in range(4)]
+
+
+PLACING = """
+import collections, dataclasses, json, typing, parakit, torch, torch.distributed as dist
+
+Pair = typing.NamedTuple("Pair", [("a", torch.Tensor), ("b", int)])
+
+@dataclasses.dataclass
+class Box:
+    t: torch.Tensor
+
+def where(x, on_gpu, model, box):
+    rank = dist.get_rank()
+    seen = [str(t.device) for t in (x, x[1:], on_gpu, model.weight, box.t)]
+    y = torch.full((2,), float(rank), device=parakit.device(), requires_grad=True) * 2
+    counts = collections.defaultdict(int, ones=1)
+    return seen, x[1:].untyped_storage() is x.untyped_storage(), {
+        "ordered": collections.OrderedDict(y=y), "default": counts, "box": Box(y), "pair": Pair(y, rank),
+        "model": model, "parameters": list(model.parameters())}
+
+x, on_gpu = torch.arange(4.0), torch.ones(2, device="fgpu:0")
+results = parakit.launch(where, x, on_gpu, torch.nn.Linear(2, 2), Box(torch.zeros(1)), world_size=2)
+on_gloo = parakit.launch(lambda t: str(t.device), on_gpu, world_size=2, backend="gloo")
+
+def devices_of(result):
+    found = [result["ordered"]["y"], result["box"].t, result["pair"].a, result["model"].weight,
+             *result["parameters"]]
+    return sorted({str(t.device) for t in found}), any(t.requires_grad and t.grad_fn for t in found)
+
+last = results[-1][2]
+print(json.dumps({"seen": [r[0] for r in results], "views_share": [r[1] for r in results],
+                  "back": [devices_of(r[2]) for r in results], "kinds": [type(last["ordered"]).__name__,
+                  type(last["default"]).__name__, last["default"]["missing"], type(last["pair"]).__name__],
+                  "values": [r[2]["pair"].a.tolist() for r in results], "on_gloo": on_gloo}))
+"""
+
+
+def test_launch_places_tensor_arguments_on_each_ranks_device_and_brings_results_back_to_the_cpu(tmp_path):
+    found = run_emulated(tmp_path, PLACING)
+    assert found["seen"] == [[f"fgpu:{rank}"] * 5 for rank in range(2)]  # the notebook's fgpu:0 lands on fgpu:1 too
+    assert found["views_share"] == [True, True]
+    assert found["back"] == [[["cpu"], False]] * 2
+    assert found["kinds"] == ["OrderedDict", "defaultdict", 0, "Pair"]
+    assert found["values"] == [[0.0, 0.0], [2.0, 2.0]]
+    assert found["on_gloo"] == ["cpu", "cpu"]  # a GPU tensor to gloo ranks arrives on the CPU, as documented
+
+
+BAD_INPUT = """
+import json, parakit, torch, torch.distributed as dist
+from parakit import launcher
+
+def cpu_model():
+    model = torch.nn.Linear(2, 2)  # left on the CPU
+    dist.broadcast(model.weight.data, 0)
+
+try:
+    parakit.launch(cpu_model, world_size=2)
+except parakit.RankError as error:
+    text = str(error)
+generation = launcher.pool_generation(2, "fnccl")
+again = parakit.launch(lambda x: dist.all_reduce(x) or x, torch.ones(1), world_size=2)
+print(json.dumps({"text": text, "same_pool": launcher.pool_generation(2, "fnccl") == generation,
+                  "again": [t.item() for t in again]}))
+"""
+
+
+def test_module_left_on_the_cpu_under_nccl_fails_naming_rank_device_found_and_expected(tmp_path):
+    found = run_emulated(tmp_path, BAD_INPUT)
+    for rank in range(2):
+        assert (f"RuntimeError: No backend type associated with device type cpu: broadcast on rank {rank} got a tensor "
+                f"on cpu, but under NCCL this rank's tensors live on fgpu:{rank}: make them there "
+                f"(device=parakit.device()) or move them with .to(parakit.device())") in found["text"]
+    assert found["same_pool"] and found["again"] == [2.0, 2.0]
+
+
+HANGS = """
+import json, parakit, torch, torch.distributed as dist
+from parakit import emulation, launcher
+
+def ring_sends_first():
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x, y = torch.ones(2, device=parakit.device()), torch.empty(2, device=parakit.device())
+    request = dist.isend(x, (rank + 1) % n)
+    dist.recv(y, (rank - 1) % n)
+    request.wait()
+
+def batched_ring():
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x, y = torch.full((2,), float(rank), device=parakit.device()), torch.empty(2, device=parakit.device())
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (rank + 1) % n),
+                                        dist.P2POp(dist.irecv, y, (rank - 1) % n)]):
+        work.wait()
+    return y[0].item()
+
+def lazy_ring():  # a group made without device_id: NCCL connects each pair at its first send
+    emulation.install(4)
+    torch.fgpu.set_device(dist.get_rank())
+    group = dist.new_group(backend="fnccl")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x, y = torch.ones(2, device=f"fgpu:{rank}"), torch.empty(2, device=f"fgpu:{rank}")
+    request = dist.isend(x, (rank + 1) % n, group=group)
+    dist.recv(y, (rank - 1) % n, group=group)
+    request.wait()
+
+found = {}
+for name, fn, n, backend in [("eager", ring_sends_first, 3, "nccl"), ("lazy", lazy_ring, 3, "gloo")]:
+    try:
+        launcher.launch(fn, world_size=n, backend=backend, timeout=60)
+    except parakit.RankError as error:
+        found[name] = [str(error), launcher.pool_generation(n, "fnccl" if backend == "nccl" else backend)]
+found["batched"] = [launcher.launch(batched_ring, world_size=n) for n in (3, 4)]
+print(json.dumps(found))
+"""
+
+
+def test_hangs_nccl_would_hang_in_fail_at_once_naming_ranks_and_order(tmp_path):
+    found = run_emulated(tmp_path, HANGS)
+    eager, generation = found["eager"]
+    assert "EmulatedNCCLError: emulated NCCL: rank" in eager and "wait" in eager
+    for rank in range(3):
+        assert (f"rank {rank}'s stream on group 0 runs, in order: send to rank {(rank + 1) % 3}" in eager
+                or f"rank {rank} waits for its send to rank {(rank + 1) % 3}" in eager)
+    assert generation is None  # the hung world is stopped: the next call starts new ranks
+    lazy, _ = found["lazy"]
+    assert "waits to set up the communicator of group 1's pair" in lazy and "Pass device_id" in lazy
+    assert found["batched"] == [[2.0, 0.0, 1.0], [3.0, 0.0, 1.0, 2.0]]

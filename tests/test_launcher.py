@@ -3,6 +3,8 @@ rank's output, failures (exceptions, deaths, hangs, timeouts), bad input, interr
 orphans. After every kind of failure the next call is shown to work."""
 from __future__ import annotations
 
+import collections
+import dataclasses
 import gc
 import os
 import resource
@@ -80,6 +82,29 @@ def test_tensors_come_back_on_cpu_detached_inside_containers():
         torch.testing.assert_close(result["w"], torch.full((2, 3), 2.0 * rank))
         torch.testing.assert_close(result["pair"][0], torch.tensor(6.0 * rank))
         torch.testing.assert_close(result["pair"][1][0], torch.arange(3))
+
+
+Point = collections.namedtuple("Point", "x label")
+
+
+@dataclasses.dataclass
+class Holder:
+    tensor: torch.Tensor
+
+
+def test_tensors_come_back_detached_through_every_kind_of_container():
+    def make():
+        w = torch.ones(2, requires_grad=True) * (dist.get_rank() + 1)
+        return {"ordered": collections.OrderedDict(w=w), "default": collections.defaultdict(list, w=[w]),
+                "holder": Holder(w), "point": Point(w, "w"), "parameter": torch.nn.Parameter(torch.ones(1))}
+
+    for rank, result in enumerate(parakit.launch(make, world_size=2)):
+        assert type(result["ordered"]) is collections.OrderedDict and type(result["point"]) is Point
+        assert result["default"].default_factory is list and result["point"].label == "w"
+        for t in (result["ordered"]["w"], result["default"]["w"][0], result["holder"].tensor, result["point"].x):
+            assert t.device.type == "cpu" and not t.requires_grad
+            torch.testing.assert_close(t, torch.full((2,), rank + 1.0))
+        assert type(result["parameter"]) is torch.nn.Parameter and result["parameter"].requires_grad
 
 
 def test_lambda_closure_and_classes_from_the_test_module_run_on_every_rank():
