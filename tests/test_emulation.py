@@ -316,3 +316,39 @@ def test_hangs_nccl_would_hang_in_fail_at_once_naming_ranks_and_order(tmp_path):
     lazy, _ = found["lazy"]
     assert "waits to set up the communicator of group 1's pair" in lazy and "Pass device_id" in lazy
     assert found["batched"] == [[2.0, 0.0, 1.0], [3.0, 0.0, 1.0, 2.0]]
+
+
+LESSON_01 = """
+import json, torch, torch.nn as nn
+from parakit import dp
+
+def error(fn):
+    try:
+        fn()
+    except RuntimeError as e:
+        return str(e)
+
+torch.manual_seed(0)
+inputs, model = torch.randn(6, 8), nn.Linear(8, 10)
+net = dp.DataParallel(model, device_ids=[0, 1, 2])             # lesson 01 as it stood: model and batch on the CPU
+outputs = net(inputs)
+found = {"devices": [str(d) for d in net.devices], "outputs": str(outputs.device),
+         "compare": error(lambda: torch.allclose(outputs, model(inputs))),
+         "nn_dp": error(lambda: nn.DataParallel(nn.Linear(8, 4), device_ids=[0, 1, 2])(inputs))}
+on_gpu = dp.DataParallel(model.to("fgpu:0"), [0, 1, 2])(inputs.to("fgpu:0"))
+found["fixed"] = torch.allclose(on_gpu, model(inputs.to("fgpu:0")))
+with dp.MemoryMeter([0, 1, 2]) as meter:
+    dp.DataParallel(model, [0, 1, 2])(inputs.to("fgpu:0")).sum().backward()
+found["peaks"] = [peak > 0 for peak in meter.peaks()]
+print(json.dumps(found))
+"""
+
+
+def test_lesson_01_device_mix_fails_on_the_emulated_box_as_on_three_gpus(tmp_path):
+    found = run_emulated(tmp_path, LESSON_01)
+    assert found["devices"] == ["fgpu:0", "fgpu:1", "fgpu:2"] and found["outputs"] == "fgpu:0"
+    assert "Expected all tensors to be on the same device, but found at least two devices, fgpu:0 and cpu" \
+        in found["compare"]
+    assert found["nn_dp"] == ("module must have its parameters and buffers on device fgpu:0 (device_ids[0]) "
+                              "but found one of them on device: cpu")
+    assert found["fixed"] and found["peaks"] == [True, True, True]

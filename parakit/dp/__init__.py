@@ -96,7 +96,7 @@ def step_peaks(module: nn.Module, input: torch.Tensor, target: torch.Tensor, los
     and the loss computed on every replica (`LossInForward`) when loss_in_forward.
     Parameters, input and target start on device 0 and count there."""
     devices = resolve_devices(device_ids)
-    home = devices[0] if devices[0].type == "cuda" else "cpu"
+    home = devices[0] if devices[0].type != "cpu" else "cpu"
     module, input, target = copy.deepcopy(module).to(home), input.to(home), target.to(home)
     inner = LossInForward(module, loss_fn) if loss_in_forward else module
     net = DataParallel(inner, devices) if gpu0_bsz is None else BalancedDataParallel(gpu0_bsz, inner, devices)

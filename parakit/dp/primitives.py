@@ -77,7 +77,7 @@ class Gather(torch.autograd.Function):
     def forward(ctx, device, dim, *outputs):
         ctx.dim, ctx.sizes = dim, [o.shape[dim] for o in outputs]
         ctx.devices = [where(o) or device for o in outputs]
-        if device.type == "cuda":
+        if device.type != "cpu":  # a GPU (CUDA, or the emulated box's fgpu)
             return torch.cat([o.to(device) for o in outputs], dim)
         with copying_to(device.index):
             return torch.cat(outputs, dim)  # [sum of rows, ...] made on `device`
