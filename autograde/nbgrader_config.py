@@ -1,9 +1,10 @@
 """nbgrader configuration for the parakit course.
 
-Read by `python -m autograde.course` (the instructors' command) and by the plain `nbgrader`
-command when it is run inside this folder. The course root is this folder: gradebook.db,
-source/, release/, submitted/, autograded/ and feedback/ all live next to this file (they
-are git-ignored).
+Read by `python -m autograde.course` (the instructors' command), and by JupyterLab's
+formgrader and the plain `nbgrader` command started from any folder with the course's
+virtual environment (.ci/setup writes .venv/etc/jupyter/nbgrader_config.py, which loads this
+file). The course root is this folder: gradebook.db, source/, release/, submitted/,
+autograded/ and feedback/ all live next to this file (they are git-ignored).
 """
 import os
 import sys
@@ -11,6 +12,12 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 if os.path.dirname(HERE) not in sys.path:  # `autograde.execute` importable from any cwd
     sys.path.insert(0, os.path.dirname(HERE))
+# nbgrader runs `alembic` (it makes the gradebook with it) and the graded kernels from PATH:
+# the environment's own bin folder first, also where `.venv/bin/jupyter lab` was started
+# without activating it.
+BIN = os.path.dirname(sys.executable)
+if BIN not in os.environ.get("PATH", "").split(os.pathsep):
+    os.environ["PATH"] = os.pathsep.join(filter(None, [BIN, os.environ.get("PATH")]))
 
 c = get_config()  # noqa: F821 (provided by traitlets when it loads this file)
 

@@ -1,0 +1,195 @@
+"""The sealed grades in nbgrader's world: the formgrader of a JupyterLab opened as the README
+says, and the gradebook it shows.
+
+One class of three on the toy lesson (tests/fixtures/toy.ipynb, 5 points): alice hands in the
+full solution, bob a wrong `mean` (3 of 5), carol the lesson untouched (0). It is graded once
+(about a minute) by `python -m autograde.course grade` run on a copy of the code (the grader
+puts back any file of the code it runs that changes while it grades: an edit made meanwhile in
+the checkout would be undone). JupyterLab is started the README's way, with the course's
+configuration found through the environment (.ci/setup's .venv/etc/jupyter/nbgrader_config.py)
+and the venv's bin folder not on PATH.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import panel
+from conftest import REPO
+
+FIXTURES = Path(__file__).parent / "fixtures"
+ENV_CONFIG = Path(sys.prefix) / "etc" / "jupyter" / "nbgrader_config.py"   # written by .ci/setup
+BIN = str(Path(sys.executable).parent)
+
+
+@dataclass
+class Course:
+    code: Path          # the copy of parakit and autograde the commands run
+    solutions: Path     # the toy's solution, alone
+    lessons: Path       # the toy as released
+    root: Path          # nbgrader's course root: gradebook.db, submitted/, autograded/
+    out: Path           # grades.csv, report.txt, feedback/
+
+
+def run_course(course: Course, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """`python -m autograde.course --solutions ... *args` on the copy of the code, its report printed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(course.code), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run([sys.executable, "-m", "autograde.course", "--solutions", str(course.solutions), *args],
+                         cwd=course.code, env=env, capture_output=True, text=True, timeout=timeout)
+    print(run.stdout, run.stderr)
+    return run
+
+
+def grade(course: Course, folder: Path, *args: str) -> subprocess.CompletedProcess:
+    run = run_course(course, "grade", str(folder), "--root", str(course.root), "--out", str(course.out),
+                     "--timeout", "60", *args)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run
+
+
+def toy_students(course: Course) -> dict[str, nbformat.NotebookNode]:
+    lesson, solution = panel.load(course.lessons / "toy.ipynb"), panel.load(FIXTURES / "toy.ipynb")
+    full = panel.full_solution(lesson, solution)
+    return {"alice": full, "bob": panel.with_sources(full, {"mean": "def mean(xs):\n    return xs[0]\n"}),
+            "carol": lesson}
+
+
+def hand_in(folder: Path, notebooks: dict[str, nbformat.NotebookNode]) -> Path:
+    shutil.rmtree(folder, ignore_errors=True)
+    for student, nb in notebooks.items():
+        (folder / student).mkdir(parents=True)
+        nbformat.write(nb, str(folder / student / "toy.ipynb"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def course(tmp_path_factory) -> Course:
+    tmp = tmp_path_factory.mktemp("gradebook")
+    for name in ("parakit", "autograde"):
+        shutil.copytree(REPO / name, tmp / "code" / name, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp / "solutions").mkdir()
+    shutil.copyfile(FIXTURES / "toy.ipynb", tmp / "solutions" / "toy.ipynb")
+    course = Course(tmp / "code", tmp / "solutions", tmp / "lessons", tmp / "course", tmp / "out")
+    run = run_course(course, "generate", "--lessons", str(course.lessons))
+    assert run.returncode == 0, run.stdout + run.stderr
+    return course
+
+
+@pytest.fixture(scope="module")
+def graded(course) -> subprocess.CompletedProcess:
+    """The class of three, graded."""
+    return grade(course, hand_in(course.root.parent / "class", toy_students(course)))
+
+
+# ---------------------------------------------------------------------------- the formgrader
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Lab:
+    """`.venv/bin/jupyter lab` started as the README says, in a process group of its own."""
+
+    def __init__(self, root_dir: Path, course_root: Path, home: Path):
+        assert ENV_CONFIG.exists(), f"{ENV_CONFIG} is missing: run `bash .ci/setup` (it writes it)"
+        self.port, self.token = free_port(), "parakit-test-token"
+        # the test's own course root, in the user's Jupyter config (read first: JUPYTER_PREFER_ENV_PATH=0);
+        # everything else comes from the environment's configuration, as in the README's JupyterLab
+        (home / "jupyter").mkdir(parents=True, exist_ok=True)
+        (home / "jupyter" / "nbgrader_config.py").write_text(f"c.CourseDirectory.root = {str(course_root)!r}\n")
+        path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != BIN)
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "VIRTUAL_ENV"))},
+               "PATH": path or "/usr/bin:/bin", "HOME": str(home), "JUPYTER_PREFER_ENV_PATH": "0",
+               "JUPYTER_CONFIG_DIR": str(home / "jupyter"), "JUPYTER_DATA_DIR": str(home / "data"),
+               "JUPYTER_RUNTIME_DIR": str(home / "runtime")}
+        self.log = home / "lab.log"
+        args = [f"{BIN}/jupyter", "lab", "--no-browser", f"--port={self.port}", "--ServerApp.ip=127.0.0.1",
+                f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root_dir}"]
+        if os.geteuid() == 0:
+            args.append("--allow-root")
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(args, cwd=root_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            process_group=0)
+        deadline = time.monotonic() + 240  # a loaded 2-core machine: a bound on a hang only
+        while True:
+            try:
+                self.get("/api/status")
+                return
+            except (urllib.error.URLError, ConnectionError):
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    raise AssertionError(f"JupyterLab did not start:\n{self.log.read_text()}")
+                time.sleep(0.5)
+
+    def get(self, path: str):
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
+                                         headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            body = answer.read().decode()
+            return json.loads(body) if answer.headers.get_content_type() == "application/json" or \
+                body[:1] in "[{" else body
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def lab(course, graded, tmp_path_factory):
+    server = Lab(course.root.parent, course.root, tmp_path_factory.mktemp("home"))
+    yield server
+    server.close()
+
+
+def test_the_readme_jupyterlab_finds_the_course_config_and_keeps_the_gradebook_in_autograde():
+    """Started at the repository root, as the README says: the course root is autograde/ (inside
+    the server's root, so the formgrader's links work), the gradebook autograde/gradebook.db,
+    which git ignores; the venv's bin folder is put on PATH for `alembic`. Nothing is created."""
+    script = ("import os\n"
+              "from nbgrader.server_extensions.formgrader.formgrader import FormgradeExtension\n"
+              "f = FormgradeExtension(); f.root_dir = os.getcwd(); f.initialize([])\n"
+              "print(f.coursedir.root, f.url_prefix, f.coursedir.db_url, os.environ['PATH'].split(os.pathsep)[0])\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "VIRTUAL_ENV"))}
+    env["PATH"] = "/usr/bin:/bin"
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    root, prefix, db_url, first_on_path = run.stdout.split()
+    assert (root, prefix, db_url) == (str(REPO / "autograde"), "autograde", f"sqlite:///{REPO}/autograde/gradebook.db")
+    assert first_on_path == BIN
+    assert "No nbgrader_config.py file found" not in run.stderr
+    ignored = subprocess.run(["git", "check-ignore", "autograde/gradebook.db"], cwd=REPO, capture_output=True)
+    assert ignored.returncode == 0, "autograde/gradebook.db is not ignored by git"
+
+
+def test_the_formgrader_api_lists_the_assignment_students_and_submissions(course, lab):
+    assert lab.get("/formgrader/api/status") == {"status": True}
+    assert [a["name"] for a in lab.get("/formgrader/api/assignments")] == ["toy"]
+    assert isinstance(lab.get("/formgrader/api/students"), list)
+    assert isinstance(lab.get("/formgrader/api/submissions/toy"), list)
+    page = lab.get("/formgrader/manage_assignments")
+    assert "toy" in page or "nbgrader" in page
+    log = lab.log.read_text()
+    assert "No nbgrader_config.py file found" not in log
+    assert "not a subdirectory of the notebook server root" not in log
+    assert "Traceback" not in log, log
