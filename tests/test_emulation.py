@@ -7,10 +7,12 @@ interpreter with PARAKIT_EMULATE_GPUS=4 (the emulation is for a whole process, a
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from conftest import run_script
+from conftest import run_script, script_env, write_script
 from parakit import devices
 from parakit.emulation.streams import Entry, Item, Streams
 
@@ -352,3 +354,26 @@ def test_lesson_01_device_mix_fails_on_the_emulated_box_as_on_three_gpus(tmp_pat
     assert found["nn_dp"] == ("module must have its parameters and buffers on device fgpu:0 (device_ids[0]) "
                               "but found one of them on device: cpu")
     assert found["fixed"] and found["peaks"] == [True, True, True]
+
+
+TORCHRUN_JOB = """
+import json, torch, torch.distributed as dist, parakit
+from parakit.torchrun import process_group
+
+with process_group():
+    x = torch.ones(2, device=parakit.device()) * (dist.get_rank() + 1)
+    dist.all_reduce(x)
+    objects = [None, None]
+    dist.all_gather_object(objects, dist.get_rank())
+    print(json.dumps([dist.get_rank(), dist.get_backend(), str(dist.group.WORLD.bound_device_id), x.tolist(), objects]))
+"""
+
+
+def test_torchrun_jobs_join_on_their_local_rank_gpu_passed_as_device_id(tmp_path):
+    write_script(tmp_path, TORCHRUN_JOB, "job.py")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "job.py"],
+                          cwd=tmp_path, env={**script_env(), "PARAKIT_EMULATE_GPUS": "2", "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = sorted(json.loads(line) for line in done.stdout.splitlines() if line.startswith("["))
+    assert lines == [[rank, "fnccl", f"fgpu:{rank}", [3.0, 3.0], [0, 1]] for rank in range(2)]

@@ -12,6 +12,10 @@ current_device, set_device, device, synchronize, memory_allocated, max_memory_al
 reset_peak_memory_stats (every storage made on a device counts there until it dies).
 Random numbers on fgpu come from the CPU's generator. Backward runs in the thread that
 calls it (autograd's per-device threads need a device count a Python backend cannot give).
+`.to("fgpu")` without an index means fgpu:0 (PyTorch asks a device guard that a Python
+backend cannot give), where factories (`torch.ones(2, device="fgpu")`) take the current
+device: write the index, as `parakit.device()` does. Storage-level allocation
+(`torch.UntypedStorage(n, device="fgpu")`, `storage.resize_`) is not emulated.
 """
 from __future__ import annotations
 

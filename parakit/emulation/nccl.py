@@ -40,7 +40,7 @@ __all__ = ["BACKEND", "EmulatedNCCL", "EmulatedNCCLError", "register", "broken",
 
 BACKEND = "fnccl"
 _LINK: list["_Link"] = []  # this process's link to its world's coordinator (made with the default group)
-_ORIGINAL = {"batch_isend_irecv": c10d.batch_isend_irecv}
+_ORIGINAL = {"batch_isend_irecv": c10d.batch_isend_irecv, "object_device": c10d._get_object_coll_device}
 
 
 class EmulatedNCCLError(RuntimeError):
@@ -52,6 +52,7 @@ def register() -> None:
     if not hasattr(dist.Backend, BACKEND.upper()):
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=[fgpu.NAME])
         dist.batch_isend_irecv = c10d.batch_isend_irecv = _batch_isend_irecv
+        c10d._get_object_coll_device = _object_device
 
 
 def broken() -> str | None:
@@ -101,6 +102,16 @@ def _batch_isend_irecv(p2p_op_list):
         raise
     group._end_coalescing(None)
     return works
+
+
+def _object_device(group=None) -> str:
+    """Where all_gather_object and its kind put their bytes: for an emulated group the rank's
+    own fgpu, as NCCL's "cuda" means the current GPU (an fgpu without index would be fgpu:0
+    in `.to`, whose index PyTorch takes from a device guard a Python backend cannot give)."""
+    group = group or c10d._get_default_group()
+    if isinstance(group, EmulatedNCCL):
+        return str(group.device or torch.device(fgpu.NAME, fgpu.current_device()))
+    return _ORIGINAL["object_device"](group)
 
 
 # ------------------------------------------------------------------------------ the link
