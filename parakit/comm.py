@@ -1,5 +1,6 @@
-"""Communication, made visible: a meter for every collective and point-to-point call, and
-ring all-reduce built from send/recv.
+"""Communication, made visible: a meter for every collective and point-to-point call,
+point-to-point calls posted in batches that NCCL cannot deadlock, and ring all-reduce built
+from them.
 
     with CommLog() as log:
         dist.all_reduce(x)
@@ -19,6 +20,12 @@ is recorded as a `CommRecord` in every open `CommLog` and also moves `TRACKER`, 
 launcher reads to say where a rank waits when ranks hang. A call made from inside another
 wrapped call (`all_gather_into_tensor` calling `all_gather_single`) is recorded once, as the
 outer one. Collectives issued from C++ (the reducer of torch's DDP) are not seen.
+
+`post_batch` posts sends and receives together (`dist.batch_isend_irecv`): NCCL runs a
+batch as one group on the rank's one stream, so a ring whose every rank posts its step's
+send and receive in one batch cannot wait in a cycle, where separate calls can (NCCL sets
+up each pair of ranks at its first call and runs a send only once its receive is posted).
+Its `wait` names the call it waits in to `TRACKER`, as a blocking call does.
 """
 from __future__ import annotations
 
@@ -33,10 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from parakit.groups import global_rank
-
 __all__ = ["CommLog", "CommRecord", "ring_all_reduce", "all_reduce_two_phase", "ring_schedule", "ring_bytes",
-           "written_bytes", "TRACKER"]
+           "written_bytes", "TRACKER", "post_batch", "P2PBatch"]
 
 _PROC_IO = "/proc/self/io"
 LAUNCHER_WRITES = [0]  # bytes parakit's launcher wrote from this process for itself (a rank's status answers)
@@ -413,6 +418,60 @@ _REDUCE = {
 }
 
 
+class P2PBatch:
+    """Point-to-point calls posted together by `post_batch`, to wait on."""
+
+    def __init__(self, works: list, calls: list[tuple], on_gpu: bool):
+        self.works, self.on_gpu, self.done = works, on_gpu, False
+        self.calls = calls  # (op, sequence number or None, global peer, how many such calls to that peer by then)
+
+    def wait(self) -> None:
+        """Wait for every call, the last posted first (under NCCL one Work covers the batch).
+        While it waits, `TRACKER` names the call, as for a blocking call, where the
+        launcher's hang check can judge it: when no later call of its kind to its peer was
+        posted (the check counts every message posted to and from the peer). Under NCCL
+        with the launcher's wait_for_gpu it returns only when the GPU has run the batch. A
+        second wait returns at once."""
+        if self.done:
+            return
+        calls = self.calls if len(self.works) == len(self.calls) else self.calls[-1:] * len(self.works)
+        for work, call in reversed(list(zip(self.works, calls))):
+            _wait_named(work, call, self.on_gpu and _WAIT_FOR_GPU["on"])
+        self.done = True
+
+
+def post_batch(ops: list[tuple[str, torch.Tensor, int]], group=None) -> P2PBatch:
+    """Post `ops`, each ("send" | "recv", tensor, peer as a rank of `group`), as one
+    `dist.batch_isend_irecv`: each send sends its tensor's bytes to its peer, each receive
+    fills its tensor from its peer. Returns the P2PBatch to wait on."""
+    before = TRACKER.seq
+    p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, group=group, group_peer=peer)
+           for kind, tensor, peer in ops]
+    works = dist.batch_isend_irecv(p2p) if p2p else []
+    metered = TRACKER.seq - before == len(ops)
+    calls = []
+    for i, (kind, tensor, peer) in enumerate(ops):
+        peer = dist.get_global_rank(group, peer) if group is not None else peer
+        calls.append(("i" + kind, before + 1 + i if metered else None, peer,
+                      TRACKER.messages[kind, peer] - sum(k == kind and q == peer for k, _, q in ops[i + 1:])))
+    return P2PBatch(list(works), calls, any(t.is_cuda for _, t, _ in ops))
+
+
+def _wait_named(work, call, on_gpu: bool) -> None:
+    op, seq, peer, nth = call
+    kind = "send" if "send" in op else "recv"
+    named = seq is not None and TRACKER.messages[kind, peer] == nth
+    outer = TRACKER.current
+    if named:
+        TRACKER.current = (op, seq, peer, time.monotonic())
+    try:
+        work.wait()
+        while on_gpu and not work.is_completed():  # NCCL's wait only makes the current stream wait
+            time.sleep(0.0002)
+    finally:
+        TRACKER.current = outer
+
+
 def ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
     """All-reduce `tensor` in place with a ring of send/recv, and return it.
 
@@ -420,6 +479,7 @@ def ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> t
     reduce-scatter steps each rank sends one chunk to its right neighbour and adds the
     chunk it receives from the left; in n-1 all-gather steps the reduced chunks travel
     once around the ring. Each rank sends 2(n-1) chunks: 2(n-1)/n of the tensor's bytes.
+    Each step's send and receive are posted as one batch.
     """
     if op not in _REDUCE:
         raise ValueError(f"ring_all_reduce supports SUM, PRODUCT, MAX and MIN, not {op}")
@@ -428,7 +488,7 @@ def ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> t
         return tensor
     flat = tensor.detach().reshape(-1).clone()  # [numel], contiguous
     chunks = flat.tensor_split(n)  # n views of ~numel/n elements
-    right, left = global_rank(group, (rank + 1) % n), global_rank(group, (rank - 1) % n)
+    right, left = (rank + 1) % n, (rank - 1) % n
     for phase, moves in ring_schedule(n):
         send, recv = (chunks[i] for i in moves[rank])
         if phase == "reduce-scatter":
@@ -472,7 +532,6 @@ def ring_schedule(n: int) -> list[tuple[str, list[tuple[int, int]]]]:
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group) -> None:
-    """Send `send` to `right` while receiving `recv` from `left` (both this many bytes)."""
-    request = dist.isend(send, right, group=group)
-    dist.recv(recv, left, group=group)
-    request.wait()
+    """Send `send` to `right` while receiving `recv` from `left` (ranks of the group; both
+    this many bytes), posted as one batch."""
+    post_batch([("send", send, right), ("recv", recv, left)], group).wait()

@@ -4,8 +4,9 @@ masking and the zig-zag split that balances it.
 Each of the n ranks of `group` holds a block of the sequence's queries, keys and values,
 [batch, heads, seq/n, head_dim]. K and V travel around the ring: at step i rank r holds the
 block of rank r - i, posts the send of it to rank r + 1 and the receive of the next block
-from rank r - 1, and computes on it while they move. Each step gives a partial attention
-(its output and the log-sum-exp of its scores), merged into the running result exactly:
+from rank r - 1 as one batch (so that NCCL cannot deadlock the ring), and computes on it
+while they move. Each step gives a partial attention (its output and the log-sum-exp of its
+scores), merged into the running result exactly:
 
     lse = log(e^lse_a + e^lse_b)        out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b
 
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parakit.groups import global_rank
+from parakit.comm import post_batch
 
 __all__ = ["LAYOUTS", "chunk_ids", "check_sequence", "shard_sequence", "unshard_sequence", "check_qkv", "block_attention",
            "merge_partials", "pair_kind", "attention_work", "ring_attention", "ring_attention_forward",
@@ -131,20 +132,21 @@ def ring_bytes_per_rank(shape_local: tuple[int, ...], n: int, element_size: int 
 # ---------------------------------------------------------------- the ring
 
 def _ring(group):
+    """(n, this rank, the next rank, the previous rank), as ranks of `group`."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    return n, r, global_rank(group, (r + 1) % n), global_rank(group, (r - 1) % n)
+    return n, r, (r + 1) % n, (r - 1) % n
 
 
 def _pass_on(tensor: torch.Tensor, after: int, before: int, group) -> tuple[torch.Tensor, list]:
-    """Post the send of `tensor` to `after` and the receive of as many bytes from `before`;
-    returns the receive buffer and the requests to wait on."""
+    """Post the send of `tensor` to `after` and the receive of as many bytes from `before`
+    as one batch; returns the receive buffer and the batch to wait on."""
     buffer = torch.empty_like(tensor)
-    return buffer, [dist.isend(tensor, after, group=group), dist.irecv(buffer, before, group=group)]
+    return buffer, [post_batch([("send", tensor, after), ("recv", buffer, before)], group)]
 
 
-def _wait(requests):
-    for request in requests:
-        request.wait()
+def _wait(batches):
+    for batch in batches:
+        batch.wait()
 
 
 def _shape_check(q, k, v, n, layout):

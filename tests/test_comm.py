@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 import parakit
-from parakit import CommLog, ring_all_reduce
+from p2p_order import assert_nccl_can_run, recording, run_emulated
+from parakit import CollectiveHang, CommLog, ring_all_reduce
 from parakit import comm
 from parakit.comm import ring_bytes
 
@@ -243,7 +244,7 @@ def ring_against_all_reduce(seed):
                     got = ring_all_reduce(x, op=op)
                 case = (shape, str(dtype), name)
                 out.append((case, got, expected, got is x, x.numel(), x.element_size(), log.count("isend"),
-                            log.count("recv"), log.wire_bytes("isend"), log.wire_bytes(), log.count()))
+                            log.count("irecv"), log.wire_bytes("isend"), log.wire_bytes(), log.count()))
     return out
 
 
@@ -265,7 +266,7 @@ def ring_bytes_of_length(m, dtype):
     x = torch.ones(m, dtype=dtype)
     with CommLog() as log:
         ring_all_reduce(x)
-    return log.wire_bytes("isend"), log.nbytes("isend"), log.nbytes("recv")
+    return log.wire_bytes("isend"), log.nbytes("isend"), log.nbytes("irecv")
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -297,10 +298,77 @@ def test_ring_all_reduce_on_a_subgroup_only_its_members_call(members):
         if rank in members:
             torch.testing.assert_close(x, torch.full((3, 5), total))
             other = b if rank == a else a  # right and left neighbour, as global ranks
-            assert calls == [("isend", 2, members.index(rank), other), ("recv", 2, members.index(rank), other)] * 2
+            # each step's send and receive posted together: isend to the right, irecv from the left
+            assert calls == [("isend", 2, members.index(rank), other), ("irecv", 2, members.index(rank), other)] * 2
         else:
             torch.testing.assert_close(x, torch.full((3, 5), float(rank + 1)))
             assert calls == []
+
+
+def ring_posts(numel):
+    with recording() as posted:
+        ring_all_reduce(torch.ones(numel))
+    return posted
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_all_reduce_posts_each_steps_send_and_receive_in_one_batch_nccl_can_run(world_size):
+    """Each of the 2(n-1) steps is one batch, its send to the right and receive from the left
+    of one chunk each; no rank's send waits alone for a receive its neighbour posts later (the
+    cycle of a ring whose ranks all send first, which NCCL's lazy pair set-up also makes)."""
+    n, numel = world_size, 10  # chunks of 4, 3, 3 (n = 3): the bytes differ from step to step
+    posted = parakit.launch(ring_posts, numel, world_size=n)
+    sizes = [4 * len(c) for c in torch.arange(numel).tensor_split(n)]
+    for rank, batches in enumerate(posted):
+        moves = [m[rank] for _, m in comm.ring_schedule(n)]
+        assert batches == [[("send", (rank + 1) % n, sizes[out]), ("recv", (rank - 1) % n, sizes[into])]
+                           for out, into in moves]
+    assert_nccl_can_run(posted)
+
+
+def test_the_check_refuses_a_ring_whose_ranks_all_send_first():
+    """The old ring's order: isend right, then recv left, each its own call."""
+    n = 3
+    with pytest.raises(AssertionError, match=r"NCCL would deadlock: rank 0 waits in batch 0: \[\('send', 1, 8\)\]; "
+                                             r"rank 1 waits in batch 0: \[\('send', 2, 8\)\]"):
+        assert_nccl_can_run([[[("send", (r + 1) % n, 8)], [("recv", (r - 1) % n, 8)]] * 2 for r in range(n)])
+
+
+EMULATED_RING = '''import json, torch, torch.distributed as dist
+import parakit
+from parakit import comm
+
+def ring(numel):
+    x = torch.randn(numel, device=parakit.device())
+    want = x.clone()
+    dist.all_reduce(want)
+    comm.ring_all_reduce(x)
+    return torch.allclose(x, want), x.device.type
+
+print(json.dumps({n: parakit.launch(ring, 10, world_size=n) for n in (3, 4)}))
+'''
+
+
+def test_ring_all_reduce_runs_on_the_emulated_nccl_at_3_and_4_ranks(tmp_path):
+    """On emulated GPUs whose NCCL stops a ring whose ranks all send first (tests/test_emulation.py),
+    the batched ring sums as dist.all_reduce does."""
+    found = run_emulated(tmp_path, EMULATED_RING)
+    assert found == {"3": [[True, "fgpu"]] * 3, "4": [[True, "fgpu"]] * 4}
+
+
+def exchange_with_a_rank_that_left():
+    if dist.get_rank() == 0:
+        comm.post_batch([("send", torch.ones(1000), 1), ("recv", torch.empty(1000), 1)]).wait()
+
+
+def test_a_rank_waiting_in_a_batch_is_named_by_the_hang_check():
+    """post_batch's wait names the call it waits in, as a blocking call does: the launcher
+    sees rank 0 wait for a message rank 1 (returned) never sent, and stops it."""
+    with pytest.raises(CollectiveHang) as caught:
+        parakit.launch(exchange_with_a_rank_that_left, world_size=2, timeout=45)
+    text = str(caught.value)
+    assert "rank 0 waits in irecv #2 (from rank 1)" in text and "rank 1 returned after 0 communication call(s)" in text
+    assert parakit.launch(lambda: dist.get_rank(), world_size=2) == [0, 1]  # the pool still works
 
 
 def test_ring_all_reduce_rejects_an_op_it_cannot_compute():

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import parakit
+from p2p_order import assert_nccl_can_run, recording, run_emulated
 from parakit import context_parallel as cp
 from parakit import ulysses
 from parakit.checkpoint import saved_bytes
@@ -83,6 +84,66 @@ def test_ring_attention_and_ulysses_equal_sdpa_on_the_whole_sequence_in_values_a
                 local = (what[2][0], what[2][1], what[2][2] // n, what[2][3])
                 sent = sum(b for op, _, b in forward + backward if op == "isend")
                 assert sent == cp.ring_bytes_per_rank(local, n, backward=True)
+
+
+def ring_posts(causal, layout):
+    import torch.distributed as dist
+    n, r = dist.get_world_size(), dist.get_rank()
+    q, k, v = (cp.shard_sequence(torch.randn(1, 2, 4 * n, 3), n, r, layout).requires_grad_() for _ in range(3))
+    with recording() as posted:
+        cp.ring_attention(q, k, v, causal=causal, layout=layout).sum().backward()
+    return posted
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ring_attention_posts_each_steps_send_and_receive_in_one_batch_nccl_can_run(n):
+    """Forward and backward, every transfer (K and V, and backward's dK, dV) goes out as one
+    batch with its receive from the other side, and the two rings of the backward post in
+    the same order on every rank: played as NCCL runs batches, no rank waits in a cycle."""
+    for causal, layout in CASES:
+        posted = parakit.launch(ring_posts, causal, layout, world_size=n)
+        kv = 2 * 4 * 2 * 4 * 3  # K and V of [1, 2, 4, 3], fp32
+        for rank, batches in enumerate(posted):
+            step = [("send", (rank + 1) % n, kv), ("recv", (rank - 1) % n, kv)]
+            assert batches == [step] * (n - 1 + 2 * n - 1), (causal, layout, rank)  # forward, then backward
+        assert_nccl_can_run(posted)
+
+
+EMULATED = '''import json, torch, torch.nn.functional as F, torch.distributed as dist
+import parakit
+from parakit import context_parallel as cp
+
+def attention(q, k, v, dy, causal, layout):
+    n, r = dist.get_world_size(), dist.get_rank()
+    mine = [cp.shard_sequence(t, n, r, layout).requires_grad_() for t in (q, k, v)]
+    out = cp.ring_attention(*mine, causal=causal, layout=layout)
+    out.backward(cp.shard_sequence(dy, n, r, layout))
+    return out, [t.grad for t in mine], out.device.type
+
+found = {}
+for n in (2, 4):
+    q, k, v, dy = (torch.randn(1, 2, 4 * n, 3) for _ in range(4))
+    for causal, layout in [(False, "contiguous"), (True, "zigzag")]:
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        expected = F.scaled_dot_product_attention(*whole, is_causal=causal)
+        expected.backward(dy)
+        part = lambda t, r: cp.shard_sequence(t, n, r, layout)
+        runs = parakit.launch(attention, q, k, v, dy, causal, layout, world_size=n)
+        found[f"n={n} causal={causal} {layout}"] = [
+            all(torch.allclose(out, part(expected, r), atol=1e-5) for r, (out, _, _) in enumerate(runs)),
+            all(torch.allclose(g, part(w.grad, r), atol=1e-5) for r, (_, grads, _) in enumerate(runs)
+                for g, w in zip(grads, whole)),
+            sorted({kind for *_, kind in runs})]
+print(json.dumps(found))
+'''
+
+
+def test_ring_attention_runs_on_the_emulated_nccl_at_2_and_4_ranks(tmp_path):
+    """On emulated GPUs whose NCCL stops where NCCL would hang, forward and backward equal
+    SDPA on the whole sequence, non-causal and causal zig-zag."""
+    found = run_emulated(tmp_path, EMULATED)
+    assert found == {f"n={n} causal={causal} {layout}": [True, True, ["fgpu"]] for n in (2, 4)
+                     for causal, layout in [(False, "contiguous"), (True, "zigzag")]}
 
 
 def test_the_online_softmax_merge_of_two_halves_is_attention_over_both():
