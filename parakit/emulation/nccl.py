@@ -21,30 +21,20 @@ coordinator's order. `Work.wait()` blocks the calling thread until the operation
 """
 from __future__ import annotations
 
-import itertools
-import multiprocessing.connection as mpc
-import os
-import pickle
-import queue
-import threading
-from collections import Counter, defaultdict
+from collections import Counter
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from parakit.emulation import fgpu
-from parakit.emulation.streams import Coordinator, Entry, Item
+from parakit.emulation.link import LINK, EmulatedNCCLError, Op, Work, broken, connect, idle  # noqa: F401 (the API)
+from parakit.emulation.streams import Entry, Item
 
 __all__ = ["BACKEND", "EmulatedNCCL", "EmulatedNCCLError", "register", "broken", "idle"]
 
 BACKEND = "fnccl"
-_LINK: list["_Link"] = []  # this process's link to its world's coordinator (made with the default group)
 _ORIGINAL = {"batch_isend_irecv": c10d.batch_isend_irecv, "object_device": c10d._get_object_coll_device}
-
-
-class EmulatedNCCLError(RuntimeError):
-    """An operation NCCL would hang in (or a rule it breaks), found by the coordinator."""
 
 
 def register() -> None:
@@ -55,37 +45,12 @@ def register() -> None:
         c10d._get_object_coll_device = _object_device
 
 
-def broken() -> str | None:
-    """Why this process's emulated world can no longer communicate, or None."""
-    return _LINK[0].fault if _LINK else None
-
-
-def idle(flag: bool, task: int) -> None:
-    """Tell the coordinator this rank has returned from launched call number `task` (it posts
-    nothing more until the next), or starts it: ranks left waiting for it are told at once."""
-    if _LINK and not _LINK[0].fault:
-        _LINK[0].send(("idle", flag, task))
-
-
 def _create(options, _backend_options):
     ranks = list(options.global_ranks_in_group) or list(range(options.group_size))
-    if not options.global_ranks_in_group or not _LINK:  # the world's first emulated group: its coordinator
-        _connect(options.store, options.group_rank, options.group_size)
+    if not options.global_ranks_in_group or not LINK:  # the world's first emulated group: its coordinator
+        connect(options.store, options.group_rank, options.group_size)
     return EmulatedNCCL(options.store, options.group_rank, options.group_size, ranks, options.timeout,
                         options.group_id)
-
-
-def _connect(store, rank: int, size: int) -> None:
-    """Rank 0 starts the coordinator and puts its address in the store; every rank links to it."""
-    world = dist.get_world_size() if dist.is_initialized() else size
-    if size != world:
-        raise ValueError(f"the first emulated NCCL group of a world must hold all its {world} ranks, not {size}: "
-                         f"make the default group {BACKEND!r}, or a new_group of every rank first")
-    if rank == 0:
-        authkey = os.urandom(16)
-        store.set("fnccl/coordinator", pickle.dumps((Coordinator(size, authkey).address, authkey)))
-    address, authkey = pickle.loads(store.get("fnccl/coordinator"))
-    _LINK[:] = [_Link(address, authkey, rank)]
 
 
 def _batch_isend_irecv(p2p_op_list):
@@ -112,138 +77,6 @@ def _object_device(group=None) -> str:
     if isinstance(group, EmulatedNCCL):
         return str(group.device or torch.device(fgpu.NAME, fgpu.current_device()))
     return _ORIGINAL["object_device"](group)
-
-
-# ------------------------------------------------------------------------------ the link
-
-class _Op:
-    """One entry of this rank's stream: its items' transfers, run on the link's thread."""
-
-    def __init__(self, entry: Entry, link: "_Link"):
-        self.entry, self.link = entry, link
-        self.runs, self.outputs, self.left = [], [], 0
-        self.done, self.error = threading.Event(), None
-        self.future = _Future(self)
-
-    def add(self, item: Item, run, outputs) -> None:
-        self.entry.items.append(item)
-        self.runs.append(run)
-        self.outputs += outputs
-        self.left += 1
-
-    def run(self, index: int) -> None:
-        try:
-            self.runs[index]()
-        except BaseException as error:  # raised where the rank waits
-            self.error = self.error or error
-        self.left -= 1
-        if not self.left:
-            self.finish()
-
-    def finish(self) -> None:
-        self.link.pending.pop(self.entry.id, None)
-        self.done.set()
-        if self.error is None:
-            self.future.set_result(self.outputs)
-        else:
-            self.future.set_exception(self.error)
-
-
-class _Link:
-    """This process's connection to the coordinator: events out; "run", "ready" and "fault"
-    in, read by one thread; released items run by another, in the order they come."""
-
-    def __init__(self, address, authkey: bytes, rank: int):
-        self.conn, self.rank, self.lock = mpc.Client(address, authkey=authkey), rank, threading.Lock()
-        self.ids = itertools.count()
-        self.pending: dict[int, _Op] = {}
-        self.ready: dict[tuple, threading.Event] = defaultdict(threading.Event)
-        self.runs: queue.SimpleQueue = queue.SimpleQueue()
-        self.fault: str | None = None
-        self.send(("hello", rank))
-        threading.Thread(target=self._read, daemon=True, name="fnccl-reader").start()
-        threading.Thread(target=self._execute, daemon=True, name="fnccl-stream").start()
-
-    def send(self, event: tuple) -> None:
-        with self.lock:
-            self.conn.send(event)
-
-    def post(self, op: _Op) -> None:
-        self._raise()
-        self.pending[op.entry.id] = op
-        self.send(("post", op.entry))
-
-    def setup(self, comm: tuple, members: tuple, device: str) -> None:
-        """Make communicator `comm`: blocks until every member has begun it, as ncclCommInitRank does."""
-        self._raise()
-        self.send(("setup", comm, members, device))
-        self.ready[comm].wait()
-        self._raise()
-
-    def wait(self, op: _Op) -> None:
-        """Block until `op` has run; raise its error, or the coordinator's if it never will."""
-        if not op.done.is_set():
-            self._raise()
-            self.send(("wait", op.entry.id))
-            op.done.wait()
-        if op.error is not None:
-            raise op.error
-        self._raise()
-
-    def _raise(self) -> None:
-        if self.fault is not None:
-            raise EmulatedNCCLError(self.fault)
-
-    def _read(self) -> None:
-        while True:
-            try:
-                kind, *args = self.conn.recv()
-            except (EOFError, OSError):
-                return self._broken("the emulated NCCL's coordinator is gone (rank 0's process ended)")
-            if kind == "run":
-                self.runs.put(args)
-            elif kind == "ready":
-                self.ready[args[0]].set()
-            else:
-                self._broken(args[0])
-
-    def _broken(self, text: str) -> None:
-        self.fault = self.fault or text
-        for event in [*self.ready.values(), *(op.done for op in list(self.pending.values()))]:
-            event.set()
-
-    def _execute(self) -> None:
-        while True:
-            entry_id, index = self.runs.get()
-            self.pending[entry_id].run(index)
-
-
-class _Future(torch.futures.Future):
-    """An operation's future; waiting on it waits as `Work.wait` does (told to the coordinator)."""
-
-    def __init__(self, op: _Op):
-        super().__init__()
-        self.op = op
-
-    def wait(self):
-        self.op.link.wait(self.op)
-        return super().wait()
-
-
-class _Work(dist.Work):
-    def __init__(self, op: _Op):
-        super().__init__()
-        self.op = op
-
-    def wait(self, timeout=None):
-        self.op.link.wait(self.op)
-        return True
-
-    def is_completed(self):
-        return self.op.done.is_set()
-
-    def get_future(self):
-        return self.op.future
 
 
 # ------------------------------------------------------------------------------ the group
@@ -278,7 +111,7 @@ class EmulatedNCCL(dist.ProcessGroup):
 
     def __init__(self, store, rank: int, size: int, ranks: list[int], timeout, name: str):
         super().__init__(rank, size)
-        self.ranks, self.name, self.link = ranks, name, _LINK[0]
+        self.ranks, self.name, self.link = ranks, name, LINK[0]
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
         self.eager, self.device, self.batch = False, None, None
         self.connected: set[tuple] = set()
@@ -335,25 +168,25 @@ class EmulatedNCCL(dist.ProcessGroup):
         self.link.setup(comm, members, str(device))
         self.connected.add(comm)
 
-    def _add(self, comm: tuple, item: Item, run, outputs) -> _Work:
-        op = self.batch or _Op(Entry(self._me(), next(self.link.ids), comm), self.link)
+    def _add(self, comm: tuple, item: Item, run, outputs) -> Work:
+        op = self.batch or Op(Entry(self._me(), next(self.link.ids), comm), self.link)
         op.add(item, run, outputs)
         if self.batch is None:
             self._post(op)
-        return _Work(op)
+        return Work(op)
 
-    def _post(self, op: _Op) -> None:
+    def _post(self, op: Op) -> None:
         if op.entry.comm not in self.connected:
             self._connect(op.entry.comm)
         self.link.post(op)
 
-    def _collective(self, what: str, tensors, run, outputs) -> _Work:
+    def _collective(self, what: str, tensors, run, outputs) -> Work:
         self._check(tensors, what)
         comm = self._comm()
         self.counts[comm] += 1
         return self._add(comm, Item((comm, "coll", self.counts[comm] - 1), tuple(self.ranks), what), run, outputs)
 
-    def _p2p(self, sending: bool, tensor, peer: int, run) -> _Work:
+    def _p2p(self, sending: bool, tensor, peer: int, run) -> Work:
         what = f"{'send to' if sending else 'recv from'} rank {self.ranks[peer]}"
         self._check([tensor], what, contiguous=False)
         src, dst = (self._me(), self.ranks[peer]) if sending else (self.ranks[peer], self._me())
@@ -364,7 +197,7 @@ class EmulatedNCCL(dist.ProcessGroup):
 
     def _start_coalescing(self, device):
         """Operations from here to `_end_coalescing` go out as one batch (NCCL's group call)."""
-        self.batch = _Op(Entry(self._me(), next(self.link.ids), self._comm()), self.link)
+        self.batch = Op(Entry(self._me(), next(self.link.ids), self._comm()), self.link)
 
     def _end_coalescing(self, device):
         op, self.batch = self.batch, None
@@ -372,7 +205,7 @@ class EmulatedNCCL(dist.ProcessGroup):
             self._post(op)
         else:
             op.finish()
-        return _Work(op)
+        return Work(op)
 
     # -------------------------------------------------------------------------- operations
 

@@ -287,4 +287,8 @@ class Coordinator:
         kind, *args = event
         if self.streams.fault is not None and kind != "idle":
             return [(rank, ("fault", self.streams.fault))]
-        return getattr(self.streams, kind)(rank, *args)
+        try:
+            return getattr(self.streams, kind)(rank, *args)
+        except Exception as error:  # a fault of the emulation itself: every rank is told, none waits forever
+            return self.streams._fail(f"the emulated NCCL's coordinator failed on rank {rank}'s {kind}: "
+                                      f"{type(error).__name__}: {error}")
