@@ -14,11 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import parakit
-from parakit import CommLog
+from p2p_order import assert_nccl_can_run, recording, run_emulated
+from parakit import CollectiveHang, CommLog
 from parakit.ddp import BucketedDDP
-from parakit.pipeline import (activation_shapes, build_schedule, dp_pp_step, pipeline_step, run_schedule, simulate,
+from parakit.pipeline import (Op, activation_shapes, build_schedule, dp_pp_step, pipeline_step, run_schedule, simulate,
                               split_microbatches, split_stages)
 from parakit.pipeline.schedules import rank_of
+from parakit.pipeline.simulate import batches
 
 HIDDEN = 8
 
@@ -105,14 +107,150 @@ def test_runtime_sends_what_the_schedule_names_and_holds_the_simulated_peak(name
         assert actions == list(schedule.actions[rank])  # the runtime ran the schedule's actions, in order
         want_sends = [("isend", mb_bytes, a.peer) for a in schedule.actions[rank] if a.op.startswith("SEND")]
         want_recvs = [("irecv", mb_bytes, a.peer) for a in schedule.actions[rank] if a.op.startswith("RECV")]
-        by_peer = lambda calls: sorted(calls, key=lambda call: call[2])  # receives are posted ahead, in order per peer
-        assert (sends, by_peer(recvs), total) == (want_sends, by_peer(want_recvs), len(want_sends) + len(want_recvs))
+        assert (sends, recvs, total) == (want_sends, want_recvs, len(want_sends) + len(want_recvs))  # in its order
         assert peak == predicted[rank]
     if name == "gpipe":
         assert [r[3] for r in results] == [m] * p
         assert [len(r[0]) for r in results] == [m, m]  # rank 0: m activations; rank 1: m gradients
     if name == "1f1b":
         assert [r[3] for r in results] == [p - r for r in range(p)]  # stage 0 holds p, not m
+
+
+SCHEDULE_CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zbh2", 1), ("zbv", 2)]
+
+
+def posted_batches(p):
+    """For every schedule, the batches of point-to-point calls this rank posted in one step."""
+    rank, out = dist.get_rank(), []
+    for name, v in SCHEDULE_CASES:
+        m = 2 * p
+        stages = split_stages(mlp(p * v, 0), [1] * (p * v))
+        schedule = build_schedule(name, p, m, v)
+        mbs, tgts = split_microbatches(torch.randn(2 * m, HIDDEN), m), split_microbatches(torch.randn(2 * m, HIDDEN), m)
+        with recording() as posted:
+            run_schedule(schedule, {s: stages[s] for s in schedule.stages_of(rank)}, mbs, tgts, F.mse_loss,
+                         activation_shapes(stages, mbs[0]))
+        out.append(posted)
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_each_rank_posts_its_schedules_batches_in_an_order_nccl_can_run(p):
+    """Every run of consecutive sends and receives goes out as one batch where it stands, and
+    played as NCCL runs them (a rank's batches in turn, a send waiting for its receive) no
+    rank waits for a batch that cannot come: the condition per peer pair that the old
+    runtime, which posted each peer's next receive ahead of its sends, broke."""
+    results = parakit.launch(posted_batches, p, world_size=p)
+    mb_bytes = 2 * HIDDEN * 4
+    for c, (name, v) in enumerate(SCHEDULE_CASES):
+        schedule = build_schedule(name, p, 2 * p, v)
+        for rank in range(p):
+            want = [[("send" if a.op in (Op.SEND_F, Op.SEND_B) else "recv", a.peer, mb_bytes) for a in run]
+                    for run in batches(schedule.actions[rank])]
+            assert results[rank][c] == want, (name, rank)
+        assert_nccl_can_run([results[rank][c] for rank in range(p)])
+
+
+def old_runtime_order(schedule, rank, nbytes):
+    """The batches the runtime before this order posted: one receive from each peer at the
+    start, the next from a peer when the last one arrived, every send alone."""
+    actions = schedule.actions[rank]
+    recvs = {}
+    for a in actions:
+        if a.op in (Op.RECV_F, Op.RECV_B):
+            recvs.setdefault(a.peer, []).append(a)
+    posted = [[("recv", peer, nbytes)] for peer in recvs]
+    for a in actions:
+        if a.op in (Op.SEND_F, Op.SEND_B):
+            posted.append([("send", a.peer, nbytes)])
+        elif a.op in (Op.RECV_F, Op.RECV_B) and recvs[a.peer].index(a) + 1 < len(recvs[a.peer]):
+            posted.append([("recv", a.peer, nbytes)])
+    return posted
+
+
+def test_the_check_refuses_the_old_runtimes_receives_posted_ahead_of_sends():
+    schedule = build_schedule("1f1b", 2, 4)
+    with pytest.raises(AssertionError, match=r"NCCL would deadlock: rank 0 waits in batch 0: \[\('recv', 1, 64\)\]"):
+        assert_nccl_can_run([old_runtime_order(schedule, rank, 64) for rank in range(2)])
+
+
+def pipeline_without_rank_1():
+    if dist.get_rank() == 0:
+        pipeline_step(mlp(2, 0), [1, 1], torch.randn(4, HIDDEN), torch.randn(4, HIDDEN), F.mse_loss, "gpipe", 2)
+
+
+def test_a_rank_waiting_for_a_message_that_never_comes_is_named_by_the_hang_check():
+    """Rank 0 posts its two activations, then waits for the first gradient, which rank 1
+    (gone) never sends: the launcher names the receive and its peer, before the timeout."""
+    with pytest.raises(CollectiveHang) as caught:
+        parakit.launch(pipeline_without_rank_1, world_size=2, timeout=45)
+    text = str(caught.value)
+    assert "rank 0 waits in irecv #3 (from rank 1)" in text and "rank 1 returned after 0 communication call(s)" in text
+    assert parakit.launch(lambda: dist.get_rank(), world_size=2) == [0, 1]  # the pool still works
+
+
+EMULATED = '''import json, torch, torch.nn as nn, torch.nn.functional as F, torch.distributed as dist
+import parakit
+from parakit import pipeline
+from parakit.pipeline import Op
+
+CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zbh2", 1), ("zbv", 2)]
+
+def mlp(layers, seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(layers)])
+
+def step(name, v, m, x, y):
+    p = dist.get_world_size()
+    model = mlp(p * v, 0).to(parakit.device())
+    loss = pipeline.pipeline_step(model, [1] * (p * v), x, y, F.mse_loss, name, m)
+    return loss, [q.grad for q in model.parameters()], parakit.device().type
+
+def old_runtime(m):
+    """The runtime before: the first receive from the peer posted ahead, then the sends (1F1B, 2 ranks, no compute)."""
+    rank, s = dist.get_rank(), pipeline.build_schedule("1f1b", 2, m)
+    buffers, works = [], []
+    recvs = [a for a in s.actions[rank] if a.op in (Op.RECV_F, Op.RECV_B)]
+    posted = [dist.irecv(torch.empty(8, device=parakit.device()), 1 - rank)]
+    for a in s.actions[rank]:
+        if a.op in (Op.SEND_F, Op.SEND_B):
+            works.append(dist.isend(torch.ones(8, device=parakit.device()), 1 - rank))
+        elif a.op in (Op.RECV_F, Op.RECV_B):
+            posted.pop(0).wait()
+            if recvs.index(a) + 1 < len(recvs):
+                posted.append(dist.irecv(torch.empty(8, device=parakit.device()), 1 - rank))
+    for w in works:
+        w.wait()
+
+found = {}
+for p in (2, 4):
+    for name, v in CASES:
+        m = 2 * p
+        x, y = torch.randn(4 * m, 8), torch.randn(4 * m, 8)
+        ref = mlp(p * v, 0)
+        F.mse_loss(ref(x), y).backward()
+        runs = parakit.launch(step, name, v, m, x, y, world_size=p)
+        grads = [next(gs[i] for _, gs, _ in runs if gs[i] is not None) for i in range(len(runs[0][1]))]
+        ok = all(torch.allclose(g, q.grad, atol=1e-6) for g, q in zip(grads, ref.parameters()))
+        found[f"{name} p={p}"] = [ok, sorted({kind for *_, kind in runs})]
+try:
+    parakit.launch(old_runtime, 4, world_size=2, timeout=60)
+    found["old"] = "ran"
+except parakit.RankError as error:
+    found["old"] = str(error)
+print(json.dumps(found))
+'''
+
+
+def test_every_schedule_runs_on_the_emulated_nccl_where_the_old_order_hangs(tmp_path):
+    """On 2 and 4 emulated GPUs, whose NCCL stops where NCCL would hang (one stream per
+    group, a send waiting for its receive), every schedule gives one process's gradients;
+    the runtime's old order, a receive posted ahead of the sends to the same peer, is stopped
+    at once with each rank's stream."""
+    found = run_emulated(tmp_path, EMULATED)
+    old = found.pop("old")
+    assert found == {f"{name} p={p}": [True, ["fgpu"]] for p in (2, 4) for name, _ in SCHEDULE_CASES}
+    assert "NCCL would hang here" in old and "rank 0's stream on group 0 runs, in order: recv from rank 1" in old
 
 
 def torch_pipelining(schedule_name, model, x, y, m):

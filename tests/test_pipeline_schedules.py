@@ -9,9 +9,10 @@ from fractions import Fraction
 import pytest
 from torch import nn
 
-from parakit.pipeline import (Action, Schedule, ScheduleError, balance_from_split_points, bubble_formula,
+from parakit.pipeline import (Action, Op, Schedule, ScheduleError, balance_from_split_points, bubble_formula,
                               build_schedule, check_schedule, format_grid, simulate, split_stages)
 from parakit.pipeline.schedules import with_communication
+from parakit.pipeline.simulate import check_batches
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 4, 5, 8, 12, 16)]
 
@@ -33,12 +34,63 @@ def test_1f1b_warms_up_alternates_and_cools_down():
     assert compute_names(s, 3) == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", "F4", "B4", "F5", "B5"]
 
 
-def test_sends_follow_their_compute_and_receives_precede_it():
+def test_sends_follow_their_compute_and_receives_stand_at_the_step_of_their_send():
     s = build_schedule("1f1b", 2, 2)
     assert [str(a) for a in s.actions[0]] == ["0F0", "0SEND_F0\u21921", "0F1", "0SEND_F1\u21921",
                                                "0RECV_B0\u21901", "0B0", "0RECV_B1\u21901", "0B1"]
-    assert [str(a) for a in s.actions[1]] == ["1RECV_F0\u21900", "1F0", "1B0", "1SEND_B0\u21920",
-                                               "1RECV_F1\u21900", "1F1", "1B1", "1SEND_B1\u21920"]
+    # rank 0 sends micro-batch 1 at step 2, when rank 1 has run F0: received there, before B0
+    assert [str(a) for a in s.actions[1]] == ["1RECV_F0\u21900", "1F0", "1RECV_F1\u21900", "1B0", "1SEND_B0\u21920",
+                                               "1F1", "1B1", "1SEND_B1\u21920"]
+
+
+def receives_right_before_their_compute(schedule):
+    """The schedule with each receive moved to just before the compute that needs its message
+    (with the messages that peer sent before it): where with_communication put them before."""
+    actions = []
+    for rank_actions in schedule.actions:
+        queues, out = {}, []
+        for a in rank_actions:
+            if a.op in (Op.RECV_F, Op.RECV_B):
+                queues.setdefault(a.peer, []).append(a)
+        for a in (a for a in rank_actions if a.op not in (Op.RECV_F, Op.RECV_B)):
+            for queue in queues.values():
+                brings = [(r.op.compute, r.stage, r.microbatch) for r in queue]
+                if (a.op, a.stage, a.microbatch) in brings:
+                    k = brings.index((a.op, a.stage, a.microbatch)) + 1
+                    out, queue[:] = out + queue[:k], queue[k:]
+            out.append(a)
+        actions.append(tuple(out))
+    return dataclasses.replace(schedule, actions=tuple(actions))
+
+
+ALL = [(name, p, m, v) for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zbh1", 1),
+                                      ("zbh2", 1), ("zbv", 2)) for p in (2, 3, 4, 8) for m in (p, 2 * p, 3 * p)
+       if not (name == "zbh2" and m < 2 * p - 1)]
+
+
+@pytest.mark.parametrize("name,p,m,v", ALL)
+def test_every_schedule_runs_as_nccl_runs_its_batches_and_computes_when_it_did(name, p, m, v):
+    """Both ends of each message in batches of one step: NCCL, where a send waits for its
+    receive and a rank's batches run in turn, runs the schedule; and since a receive only
+    posts, every compute starts and ends when it did with each receive right before it,
+    whatever the actions take."""
+    s = build_schedule(name, p, m, v)
+    check_batches(s)
+    for times in (None, {"F": 1, "B": 2}, {"F": Fraction(1), "B": Fraction(3), "W": Fraction(1, 2), "SEND_F": Fraction(1, 3)}):
+        new, old = simulate(s, times), simulate(receives_right_before_their_compute(s), times)
+        compute = lambda line: sorted((e.rank, e.action, e.start, e.end) for e in line.events if e.action.op.is_compute)
+        assert compute(new) == compute(old) and new.peak_activations == old.peak_activations, times
+
+
+def test_receives_right_before_their_compute_deadlock_on_nccl_in_interleaved_1f1b():
+    """Fine on paper, where a send is gone once made, but on NCCL rank 0's gradient send
+    waits for rank 1, whose own send waits for rank 0's receive, posted after it."""
+    old = receives_right_before_their_compute(build_schedule("interleaved", 2, 4, 2))
+    simulate(old)
+    with pytest.raises(ScheduleError, match=r"schedule 'interleaved' deadlocks on NCCL, where a send waits for its receive "
+                                            r"and each rank's batches run one after another: rank 0 waits in "
+                                            r"\[2SEND_B0\u21921\]; rank 1 waits in \[3SEND_B1\u21920, 1RECV_F2\u21900\]"):
+        check_schedule(old)
 
 
 def test_interleaved_places_chunk_c_of_rank_r_at_stage_c_p_plus_r():

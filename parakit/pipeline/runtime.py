@@ -8,6 +8,12 @@ batch, activations and their gradients travel by point-to-point send/recv, the l
 taken on the last stage, scaled by 1/m, so that each stage's gradients equal those of one
 process on the whole batch.
 
+Each run of consecutive sends and receives in a rank's actions is posted as one batch
+(`dist.batch_isend_irecv`) where it stands, and a received message is waited for only by
+the compute that needs it. The schedules put both ends of every message in batches of the
+same step (see schedules.py), so no batch waits on a later one: NCCL, where a send waits for
+its receive and a rank's batches run one after another on one stream, cannot deadlock.
+
 In a zero-bubble schedule the backward is split. B asks autograd for the gradient of the
 stage's input (what the previous stage waits for) and of each layer's output, keeping the
 graph; W then asks, layer by layer, for the weights' gradients from those output gradients,
@@ -18,17 +24,18 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from parakit.comm import P2PBatch, post_batch
+from parakit.ddp import CudaClock
 from parakit.devices import device
 from parakit.pipeline.actions import Action, Op
 from parakit.pipeline.schedules import CHUNKS, SCHEDULES, Schedule, build_schedule
-from parakit.pipeline.simulate import Event, Timeline, check_schedule
+from parakit.pipeline.simulate import Event, Timeline, batches, check_schedule
 from parakit.pipeline.split import split_stages
 
 __all__ = ["pipeline_step", "pipeline_run", "timeline_of", "dp_pp_step", "run_schedule", "split_microbatches", "activation_shapes", "RankRun"]
@@ -37,8 +44,10 @@ __all__ = ["pipeline_step", "pipeline_run", "timeline_of", "dp_pp_step", "run_sc
 @dataclass
 class RankRun:
     """What one rank did in one step: its events (perf_counter seconds, comparable between
-    processes on one machine), its peak count of stored activations, and the loss (the
-    sum of the scaled micro-batch losses) on the rank holding the last stage, else None."""
+    processes on one machine; on a GPU read from CUDA events on the rank's stream), its peak
+    count of stored activations, and the loss (the sum of the scaled micro-batch losses) on
+    the rank holding the last stage, else None. A send's event is its posting, a receive's
+    runs from its posting until its message is there for the compute that needs it."""
 
     events: list[Event]
     peak_activations: int
@@ -79,20 +88,15 @@ class _Runner:
         self.outbox: dict[tuple[Op, int, int], torch.Tensor] = {}  # results another rank needs
         self.stored: dict[tuple[int, int], tuple] = {}  # (stage, i) -> (input, layer outputs) kept for B (and W)
         self.weight_work: dict[tuple[int, int], list] = {}  # (stage, i) -> [(layer output, its gradient, weights)] for W
-        self.sends, self.loss, self.peak = [], None, 0
+        self.loss, self.peak = None, 0
         self.replica = replica  # a parakit.ddp wrapper of this rank's stages, or None
         weights_op = Op.W if schedule.splits_backward else Op.B  # the action that computes weight gradients
         self.last_backward = {a.stage: a.microbatch for a in schedule.actions[self.rank] if a.op is weights_op}
-        self.to_post: dict[int, deque] = {}  # peer -> this rank's RECV actions from it, in order, not yet posted
-        for a in schedule.actions[self.rank]:
-            if a.op in (Op.RECV_F, Op.RECV_B):
-                self.to_post.setdefault(a.peer, deque()).append(a)
-        self.posted: dict[Action, tuple] = {}  # RECV action -> (buffer, work) of its irecv
-        for peer in self.to_post:
-            self._post_next(peer)
+        self.pending: dict[tuple[Op, int, int], tuple] = {}  # input -> (buffer, its batch, its RECV action)
+        self.posted: list[tuple[P2PBatch, list]] = []  # every batch of the step, with the tensors it sends
 
     def run(self, a: Action) -> None:
-        """Execute one action (the communication is in `send` and `recv`)."""
+        """Execute one compute action (the communication is in `post` and `take_input`)."""
         match a.op:
             case Op.F:
                 self.forward(a)
@@ -100,10 +104,6 @@ class _Runner:
                 self.backward(a) if not self.schedule.splits_backward else self.input_backward(a)
             case Op.W:
                 self.weight_backward(a)
-            case Op.SEND_F | Op.SEND_B:
-                self.send(a)
-            case Op.RECV_F | Op.RECV_B:
-                self.recv(a)
 
     def forward(self, a: Action) -> None:
         last = a.stage == self.schedule.num_stages - 1
@@ -162,27 +162,33 @@ class _Runner:
         else:
             self.outbox[(op, stage, i)] = tensor.contiguous()
 
-    def send(self, a: Action) -> None:
-        """isend one activation (F) or gradient (B) of one micro-batch to rank a.peer of the group."""
-        tensor = self.outbox.pop((a.op.compute, a.stage + a.op.step, a.microbatch))
-        self.sends.append((dist.isend(tensor, group=self.group, group_dst=a.peer), tensor))
+    def post(self, run: list[Action]) -> P2PBatch:
+        """Post one batch: each SEND of `run` sends one activation (F) or gradient (B) of one
+        micro-batch to rank a.peer of the group, each RECV receives one into a fresh buffer."""
+        ops = []
+        for a in run:
+            if a.op in (Op.SEND_F, Op.SEND_B):
+                ops.append(("send", self.outbox.pop((a.op.compute, a.stage + a.op.step, a.microbatch)), a.peer))
+            else:
+                shape, dtype = self.shapes[a.stage if a.op is Op.RECV_F else a.stage + 1]
+                ops.append(("recv", torch.empty(shape, dtype=dtype, device=device()), a.peer))
+        batch = post_batch(ops, self.group)
+        self.posted.append((batch, [tensor for kind, tensor, _ in ops if kind == "send"]))  # alive until sent
+        for a, (kind, buffer, _) in zip(run, ops):
+            if kind == "recv":
+                self.pending[(a.op.compute, a.stage, a.microbatch)] = (buffer, batch, a)
+        return batch
 
-    def recv(self, a: Action) -> None:
-        """Wait for one activation (F) or gradient (B) of one micro-batch from rank a.peer of
-        the group, received by the irecv posted for it, and post the next one from that peer."""
-        buffer, work = self.posted.pop(a)
-        work.wait()
-        self._post_next(a.peer)
-        self.inbox[(a.op.compute, a.stage, a.microbatch)] = buffer.requires_grad_() if a.op is Op.RECV_F else buffer
-
-    def _post_next(self, peer: int) -> None:
-        """irecv, into a fresh buffer, the next message this rank's actions take from `peer`:
-        one receive in flight per peer, so that it arrives while this rank computes."""
-        if self.to_post[peer]:
-            a = self.to_post[peer].popleft()
-            shape, dtype = self.shapes[a.stage if a.op is Op.RECV_F else a.stage + 1]
-            buffer = torch.empty(shape, dtype=dtype, device=device())
-            self.posted[a] = (buffer, dist.irecv(buffer, group=self.group, group_src=a.peer))
+    def take_input(self, a: Action) -> Action | None:
+        """Wait for the message compute `a` needs, if it comes by a receive still pending, and
+        put it in the inbox; returns that receive's action."""
+        key = (a.op, a.stage, a.microbatch)
+        if key not in self.pending:
+            return None
+        buffer, batch, recv = self.pending.pop(key)
+        batch.wait()
+        self.inbox[key] = buffer.requires_grad_() if a.op is Op.F else buffer
+        return recv
 
 
 def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], microbatches, targets, loss_fn,
@@ -190,19 +196,34 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], microbatches,
     """Run this rank's actions of `schedule`; `stages` maps the stage indices of this rank
     to their modules, `shapes` is `activation_shapes` of the whole model. Each send or
     receive moves one micro-batch's activation (or gradient) between two ranks of `group`:
-    prod(shape) x dtype bytes. Gradients accumulate in the stages' parameters; `replica` (see
-    `dp_pp_step`) synchronises them in each stage's last backward."""
+    prod(shape) x dtype bytes; each run of consecutive sends and receives is posted as one
+    batch, and a compute waits only for the message it needs. Gradients accumulate in the
+    stages' parameters; `replica` (see `dp_pp_step`) synchronises them in each stage's last
+    backward."""
     runner = _Runner(schedule, stages, microbatches, targets, loss_fn, shapes, group, replica)
-    timed = device().type == "cuda"
-    events = []
-    for a in schedule.actions[runner.rank]:
-        start = time.perf_counter()
-        runner.run(a)
-        if timed:
-            torch.cuda.synchronize()
-        events.append(Event(runner.rank, a, start, time.perf_counter()))
-    for work, _ in runner.sends:
-        work.wait()
+    clock = CudaClock(device()) if device().type == "cuda" else None  # the GPU runs the work after the calls return
+    mark = clock.stamp if clock else time.perf_counter
+    actions, runs = schedule.actions[runner.rank], iter(batches(schedule.actions[runner.rank]))
+    marks: dict[int, list] = {}  # action index -> [start, end]; a receive's end is set when its message is taken
+    recv_index = {a: i for i, a in enumerate(actions) if a.op in (Op.RECV_F, Op.RECV_B)}
+    for i, a in enumerate(actions):
+        if a.op.is_compute:
+            recv = runner.take_input(a)
+            if recv is not None:
+                marks[recv_index[recv]][1] = mark()
+            start = mark()
+            runner.run(a)
+            marks[i] = [start, mark()]
+        elif i == 0 or actions[i - 1].op.is_compute:  # the first of a run of sends and receives: post them all
+            run, start = next(runs), mark()
+            runner.post(run)
+            end = mark()
+            for j in range(i, i + len(run)):
+                marks[j] = [start, end]
+    for batch, _ in runner.posted:
+        batch.wait()
+    seconds = clock.seconds if clock else float
+    events = [Event(runner.rank, a, seconds(marks[i][0]), seconds(marks[i][1])) for i, a in enumerate(actions)]
     return RankRun(events, runner.peak, runner.loss)
 
 

@@ -6,16 +6,22 @@ the send or receive that moves an activation forward (SEND_F/RECV_F) or its grad
 rank r holds stages r, r + p, ..., r + (v-1)p, looping over the ranks v times. Zero-bubble
 schedules also split each backward into B (the input's gradient) and W (the weights'
 gradient), and ZB-V places its 2p stages in a V: rank r holds stages r and 2p-1-r, so the
-first and last stages share rank 0. The builders below only order each rank's F, B and W; `with_communication` then places a send right after every compute whose result
-another rank needs and the receives right before the compute that needs them, taking each
-peer's messages in the order that peer sends them (as NCCL's point-to-point calls match).
+first and last stages share rank 0. The builders below only order each rank's F, B and W;
+`with_communication` then places a send right after every compute whose result another
+rank needs, and its receive at the step the message is sent when every action takes one
+step: both ends of each message in the same step. The runtime posts each run of
+consecutive sends and receives as one batch and waits for a message only at the compute
+that needs it; with both ends in the batches of one step no batch waits for a later one,
+which NCCL needs (a send waits for its receive; a rank's batches run one after another).
+Each peer's messages are received in the order it sends them.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from parakit.pipeline.actions import Action, Op
-from parakit.pipeline.simulate import format_grid
+from parakit.pipeline.simulate import ScheduleError, format_grid, simulate
 
 __all__ = ["Schedule", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "zero_bubble_h2", "zero_bubble_v",
            "delayed_weight_passes", "build_schedule", "rank_of", "SCHEDULES"]
@@ -34,7 +40,7 @@ class Schedule:
     def num_stages(self) -> int:
         return self.num_ranks * self.chunks
 
-    @property
+    @functools.cached_property
     def splits_backward(self) -> bool:
         """Whether the backward is split into B (input gradient) and W (weight gradient)."""
         return any(a.op is Op.W for actions in self.actions for a in actions)
@@ -238,7 +244,9 @@ def build_schedule(name: str, p: int, m: int, v: int | None = None) -> Schedule:
 
 def with_communication(name: str, orders: list[list[Action]], p: int, m: int, v: int,
                        placement: str = "loop") -> Schedule:
-    """Add the sends and receives to each rank's F/B/W order (see the module docstring)."""
+    """Add the sends and receives to each rank's F/B/W order (see the module docstring). An
+    order that cannot run keeps each receive right before the compute that needs it, where
+    `check_schedule` names the wait."""
     stages = p * v
     sent: dict[tuple[int, int], list[Action]] = {}  # (src, dst) -> the sends, in src's order
     with_sends = []
@@ -252,8 +260,13 @@ def with_communication(name: str, orders: list[list[Action]], p: int, m: int, v:
                 actions.append(send)
                 sent.setdefault((r, send.peer), []).append(send)
         with_sends.append(actions)
-    return Schedule(name, p, m, v, tuple(tuple(_with_receives(r, acts, sent, p, stages, placement))
-                                         for r, acts in enumerate(with_sends)), placement)
+    needed = Schedule(name, p, m, v, tuple(tuple(_with_receives(r, acts, sent, p, stages, placement))
+                                           for r, acts in enumerate(with_sends)), placement)
+    try:
+        steps = simulate(needed)
+    except ScheduleError:
+        return needed
+    return Schedule(name, p, m, v, tuple(_in_steps(r, steps) for r in range(p)), placement)
 
 
 def _with_receives(rank: int, actions: list[Action], sent: dict, p: int, stages: int, placement: str) -> list[Action]:
@@ -273,3 +286,19 @@ def _with_receives(rank: int, actions: list[Action], sent: dict, p: int, stages:
                 out.append(Action(message.op.recv, message.stage + message.op.step, message.microbatch, src))
         out.append(a)
     return out
+
+
+def _in_steps(rank: int, timeline) -> tuple[Action, ...]:
+    """Rank `rank`'s actions in the order of the step they run at in `timeline` (every action
+    one step), each receive moved to the step its message is sent; within a step, the sends
+    of the compute that just ended, then the receives, then the next compute."""
+    sent_at = {(e.action.op.compute, e.action.stage + e.action.op.step, e.action.microbatch, e.rank): e.end
+               for e in timeline.events if e.action.op in (Op.SEND_F, Op.SEND_B)}
+    keyed = []
+    for n, e in enumerate(x for x in timeline.events if x.rank == rank):
+        a = e.action
+        if a.op in (Op.RECV_F, Op.RECV_B):
+            keyed.append(((sent_at[(a.op.compute, a.stage, a.microbatch, a.peer)], 1, n), a))
+        else:
+            keyed.append(((e.start, 0 if a.op in (Op.SEND_F, Op.SEND_B) else 2, n), a))
+    return tuple(a for _, a in sorted(keyed))

@@ -1,9 +1,14 @@
 """Running a schedule on paper: the time line each rank would follow given how long each
 action takes, its idle fraction (the bubble) and its peak count of stored activations.
 
-The same loop is the deadlock check: a receive waits until its peer has sent, and only
-the message that peer sent first and nobody has received yet can match it (the order in
-which NCCL pairs point-to-point calls). If no rank can move, the schedule deadlocks.
+The same loop is the deadlock check: a receive is posted where it stands and matches the
+message its peer sends next to this rank (the order in which NCCL pairs point-to-point
+calls); the compute that needs it waits until that message is sent. If no rank can move,
+the schedule deadlocks.
+
+`check_schedule` also plays the order as NCCL runs it (`check_batches`): the runtime posts
+each run of consecutive sends and receives as one batch, a rank's batches run one after
+another on one stream, and a send does not complete before its receive is posted.
 """
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ from typing import Callable, Mapping, NamedTuple
 
 from parakit.pipeline.actions import Action, Op
 
-__all__ = ["Event", "Timeline", "simulate", "check_schedule", "format_grid", "bubble_formula", "ScheduleError"]
+__all__ = ["Event", "Timeline", "simulate", "check_schedule", "check_batches", "batches", "format_grid", "bubble_formula",
+           "ScheduleError"]
 
 
 class ScheduleError(ValueError):
@@ -94,29 +100,31 @@ def simulate(schedule, times: Mapping[str, object] | Callable[[Action], object] 
         duration = lambda a, t=_op_times(schedule, times or {}): t.get(a.op, 0)  # noqa: E731
     p = schedule.num_ranks
     position, clock = [0] * p, [Fraction(0)] * p
-    channels: dict[tuple[int, int], deque] = {}  # (src, dst) -> (message, time sent)
-    ready = [set() for _ in range(p)]  # inputs at hand: ("F", stage, i) activations, ("B", stage, i) gradients
+    channels: dict[tuple[int, int], deque] = {}  # (src, dst) -> messages sent, not yet matched: (message, time sent)
+    posted: dict[tuple[int, int], deque] = {}  # (src, dst) -> receives dst posted, not yet matched
+    waiting = [{} for _ in range(p)]  # the same, by the input they bring: ("F" | "B", stage, i) -> receive
+    ready = [{} for _ in range(p)]  # input at hand -> when: ("F", stage, i) activations, ("B", stage, i) gradients
     stored, peak, events = [0] * p, [0] * p, []
     while True:
         moved = False
         for r in range(p):
             while position[r] < len(schedule.actions[r]):
                 a = schedule.actions[r][position[r]]
-                start = _start_time(schedule, r, a, clock[r], channels, ready[r])
+                start = _start_time(schedule, r, a, clock[r], waiting[r], ready[r])
                 if start is None:
                     break
                 end = start + duration(a)
-                _apply(schedule, r, a, end, channels, ready, stored)
+                _apply(schedule, r, a, end, channels, posted, waiting, ready, stored)
                 peak[r] = max(peak[r], stored[r])
                 events.append(Event(r, a, start, end))
                 clock[r], position[r], moved = end, position[r] + 1, True
         if all(position[r] == len(schedule.actions[r]) for r in range(p)):
             break
         if not moved:
-            waits = "; ".join(f"rank {r} waits in {schedule.actions[r][position[r]]}" for r in range(p)
-                              if position[r] < len(schedule.actions[r]))
+            waits = "; ".join(f"rank {r} waits in {waiting[r].get(_needs(schedule, a), a)}" for r in range(p)
+                              if position[r] < len(schedule.actions[r]) for a in [schedule.actions[r][position[r]]])
             raise ScheduleError(f"schedule {schedule.name!r} deadlocks: {waits}")
-    _check_complete(schedule, events, channels)
+    _check_complete(schedule, events, channels, posted)
     return Timeline(p, events, peak)
 
 
@@ -128,49 +136,65 @@ def _op_times(schedule, times: Mapping[str, object]) -> dict:
     return t
 
 
-def _start_time(schedule, r, a, now, channels, ready):
-    """When `a` can start on rank r, or None while it must wait for a message."""
-    S = schedule.num_stages
-    if a.op in (Op.RECV_F, Op.RECV_B):
-        queue = channels.get((a.peer, r))
-        if not queue:
-            return None
-        message, sent_at = queue[0]
-        expected = (a.op.compute, a.stage - a.op.step, a.microbatch)
-        if message != expected:
-            raise ScheduleError(f"rank {r} runs {a} but the next message from rank {a.peer} is "
-                                f"{message[1]}SEND_{message[0]}{message[2]}: receives out of order")
-        return max(now, sent_at)
-    needs = {Op.F: (Op.F, a.stage, a.microbatch) if a.stage > 0 else None,
-             Op.B: (Op.B, a.stage, a.microbatch) if a.stage < S - 1 else None}.get(a.op)
+def _needs(schedule, a):
+    """The input a compute takes from its previous stage: ("F" | "B", stage, i), or None."""
+    if a.op is Op.F and a.stage > 0 or a.op is Op.B and a.stage < schedule.num_stages - 1:
+        return (a.op, a.stage, a.microbatch)
+    return None
+
+
+def _start_time(schedule, r, a, now, waiting, ready):
+    """When `a` can start on rank r, or None while its input is on its way. A send or a
+    receive only posts: the compute that needs the message waits for it."""
+    if not a.op.is_compute:
+        return now
     if a.op is Op.B and ("F done", a.stage, a.microbatch) not in ready:
         raise ScheduleError(f"rank {r} runs {a} before its forward {a.stage}F{a.microbatch}")
     if a.op is Op.W and ("B done", a.stage, a.microbatch) not in ready:
         raise ScheduleError(f"rank {r} runs {a} before its backward {a.stage}B{a.microbatch}")
-    if needs is not None and needs not in ready:
-        raise ScheduleError(f"rank {r} runs {a} before its input arrives (no receive or local result before it)")
-    return now
+    needs = _needs(schedule, a)
+    if needs is None or needs in ready:
+        return now if needs is None else max(now, ready[needs])
+    if needs in waiting:
+        return None  # posted, its message not sent yet
+    raise ScheduleError(f"rank {r} runs {a} before its input arrives (no receive or local result before it)")
 
 
-def _apply(schedule, r, a, end, channels, ready, stored):
+def _apply(schedule, r, a, end, channels, posted, waiting, ready, stored):
     """The effect of `a` on rank r: results, messages, stored activations."""
     S = schedule.num_stages
     if a.op in (Op.RECV_F, Op.RECV_B):
-        channels[(a.peer, r)].popleft()
-        ready[r].add((a.op.compute, a.stage, a.microbatch))
+        posted.setdefault((a.peer, r), deque()).append(a)
+        waiting[r][(a.op.compute, a.stage, a.microbatch)] = a
+        _match(channels, posted, waiting, ready, a.peer, r)
     elif a.op in (Op.SEND_F, Op.SEND_B):
         channels.setdefault((r, a.peer), deque()).append(((a.op.compute, a.stage, a.microbatch), end))
+        _match(channels, posted, waiting, ready, r, a.peer)
     elif a.op is Op.W:
         stored[r] -= 1  # what B left for W is freed
     else:
         nxt = a.stage + a.op.step
-        ready[r].add((f"{a.op} done", a.stage, a.microbatch))
+        ready[r][(f"{a.op} done", a.stage, a.microbatch)] = end
         if 0 <= nxt < S and schedule.rank_of(nxt) == r:  # the next stage is on this rank: no message
-            ready[r].add((a.op, nxt, a.microbatch))
+            ready[r][(a.op, nxt, a.microbatch)] = end
         stored[r] += 1 if a.op is Op.F else (0 if schedule.splits_backward else -1)
 
 
-def _check_complete(schedule, events, channels) -> None:
+def _match(channels, posted, waiting, ready, src, dst):
+    """Pair the messages src sent dst with dst's receives from src, first with first."""
+    messages, receives = channels.get((src, dst)), posted.get((src, dst))
+    while messages and receives:
+        (message, sent_at), recv = messages[0], receives[0]
+        if message != (recv.op.compute, recv.stage - recv.op.step, recv.microbatch):
+            raise ScheduleError(f"rank {dst} runs {recv} but the next message from rank {src} is "
+                                f"{message[1]}SEND_{message[0]}{message[2]}: receives out of order")
+        messages.popleft(), receives.popleft()
+        key = (recv.op.compute, recv.stage, recv.microbatch)
+        ready[dst][key] = sent_at
+        waiting[dst].pop(key, None)
+
+
+def _check_complete(schedule, events, channels, posted) -> None:
     done = sorted((str(e.action.op), e.action.stage, e.action.microbatch) for e in events if e.action.op.is_compute)
     ops = (Op.F, Op.B, Op.W) if schedule.splits_backward else (Op.F, Op.B)
     want = sorted((str(op), s, i) for op in ops for s in range(schedule.num_stages)
@@ -181,12 +205,67 @@ def _check_complete(schedule, events, channels) -> None:
     left = [f"{src}\u2192{dst}" for (src, dst), q in channels.items() if q]
     if left:
         raise ScheduleError(f"schedule {schedule.name!r} sends messages nobody receives on {', '.join(left)}")
+    unsent = [str(recv) for queue in posted.values() for recv in queue]
+    if unsent:
+        raise ScheduleError(f"schedule {schedule.name!r} receives messages nobody sends: {', '.join(unsent)}")
 
 
 def check_schedule(schedule):
-    """Raise ScheduleError unless the schedule runs to the end (no deadlock); return it."""
+    """Raise ScheduleError unless the schedule runs to the end, on paper (`simulate`) and as
+    NCCL runs its batches (`check_batches`); return it."""
     simulate(schedule)
+    check_batches(schedule)
     return schedule
+
+
+def batches(actions) -> list[list[Action]]:
+    """One rank's runs of consecutive sends and receives: what the runtime posts together,
+    as one `batch_isend_irecv`."""
+    runs, run = [], []
+    for a in actions:
+        if a.op.is_compute:
+            runs, run = runs + [run] if run else runs, []
+        else:
+            run.append(a)
+    return runs + [run] if run else runs
+
+
+def check_batches(schedule):
+    """Raise ScheduleError unless each rank's `batches` can run as NCCL runs them: one after
+    another on the rank's stream, a batch done once every message in it is matched, and a
+    message matched once both ranks have reached the batches holding its two ends (a send
+    is taken to wait for its receive, as a large one does). Messages pair first with first
+    on each (sender, receiver). Return the schedule."""
+    runs = [batches(actions) for actions in schedule.actions]
+    where: dict[tuple, tuple[int, int]] = {}  # (send?, src, dst, k) -> (rank, batch) of the k-th message's end
+    for r, rank_runs in enumerate(runs):
+        count: dict[tuple, int] = {}
+        for j, run in enumerate(rank_runs):
+            for a in run:
+                end = (True, r, a.peer) if a.op in (Op.SEND_F, Op.SEND_B) else (False, a.peer, r)
+                count[end] = count.get(end, -1) + 1
+                where[end + (count[end],)] = (r, j)
+    lone = [key for key in where if (not key[0],) + key[1:] not in where]
+    if lone:
+        raise ScheduleError(f"schedule {schedule.name!r} has {len(lone)} message(s) without their other end, the "
+                            f"first from rank {lone[0][1]} to rank {lone[0][2]}: every send needs its receive")
+    waits = {(r, j): [] for r, rank_runs in enumerate(runs) for j in range(len(rank_runs))}
+    for (send, src, dst, k), (r, j) in where.items():
+        waits[(r, j)].append(where[(not send, src, dst, k)])  # the other end: (rank, batch) that rank must reach
+    reached = [0] * len(runs)
+    while True:
+        moved = False
+        for r, rank_runs in enumerate(runs):
+            while reached[r] < len(rank_runs) and all(reached[q] >= j for q, j in waits[(r, reached[r])]):
+                reached[r], moved = reached[r] + 1, True
+        if all(reached[r] == len(rank_runs) for r, rank_runs in enumerate(runs)):
+            return schedule
+        if not moved:
+            stuck = "; ".join(f"rank {r} waits in [{', '.join(map(str, runs[r][reached[r]]))}]"
+                              for r in range(len(runs)) if reached[r] < len(runs[r]))
+            raise ScheduleError(f"schedule {schedule.name!r} deadlocks on NCCL, where a send waits for its receive "
+                                f"and each rank's batches run one after another: {stuck}. Receive each message in the "
+                                f"batch of the step its sender sends it (as with_communication does)")
 
 
 def format_grid(schedule) -> str:
