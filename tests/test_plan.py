@@ -3,6 +3,8 @@ exactly, reasons for bad configurations, the search's order on a case checked by
 its predictions against measured runs on gloo (bytes sent within 2%, peak bytes within 10%)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from parakit.plan import (Cluster, Config, Model, PlanError, in_flight, layer_activation_bytes, memory, search, stage_params,
@@ -271,6 +273,26 @@ def test_on_a_gpu_host_the_peak_is_metered_on_the_cpu_its_gloo_ranks_run_on(conf
     from parakit.launcher import launch
     on_gpu_host = launch(run_config_on_a_gpu_host, tiny_model(), config, world_size=config.devices, backend="gloo")
     for row in compare(tiny_model(), config, on_gpu_host):
+        assert row["measured_peak"] > row["measured_held"] > 0, row
+        assert abs(row["peak_error"]) <= 0.15, row
+
+
+EMULATED_PLAN = """
+import json
+from parakit.plan import Config
+from parakit.plan.measure import compare, measure, tiny_model
+config = Config(dp=2, zero=1, microbatch=4, dtype="fp32")
+print(json.dumps(compare(tiny_model(), config, measure(tiny_model(), config))))
+"""
+
+
+def test_on_the_emulated_gpu_box_the_peak_is_metered_on_the_cpu_its_gloo_ranks_run_on(tmp_path):
+    """Lesson 10's cell on a box with 4 (emulated) GPUs: a meter of GPU 0 read 0 bytes there, and
+    compare divided by it."""
+    from conftest import run_script
+    done = run_script(tmp_path, "import os\nos.environ['PARAKIT_EMULATE_GPUS'] = '4'\n" + EMULATED_PLAN)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for row in json.loads(done.stdout.splitlines()[-1]):
         assert row["measured_peak"] > row["measured_held"] > 0, row
         assert abs(row["peak_error"]) <= 0.15, row
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import parakit
-from conftest import REPO
+from conftest import REPO, run_script
 from parakit import side_by_side, torchrun
 
 SCRIPT_MAGIC = "%%writefile "
@@ -167,6 +167,37 @@ def test_where_the_os_counts_no_bytes_written_is_the_ring_models_and_says_so(wor
         assert [m.written for m in runs] == [ring, ring, 2 * (n - 1) * 80 // n]
         assert [m.written_by for m in runs] == ["model"] * 3
         assert f"{ring:,} (model)" in table
+
+
+EMULATED_MEASURE = """
+import json, os, parakit, torch, torch.distributed as dist
+from parakit import devices, side_by_side
+
+def doubled(x):
+    covered = [str(d) for d in devices.current_meter().devices]
+    y = x * 2
+    dist.all_reduce(y)
+    return covered, str(y.device)
+
+def measured(x):
+    m = side_by_side.measure(doubled, x)
+    return m.result, m.peak, m.written, getattr(m, "written_by", None)
+
+print(json.dumps(parakit.launch(measured, torch.ones(1000), world_size=4)))
+"""
+
+
+def test_on_the_emulated_gpu_box_measure_meters_each_ranks_own_gpu_and_writes_the_model(tmp_path):
+    """4 fgpu ranks on the emulated NCCL: each rank's meter is its own GPU's alone, and the bytes
+    written, which the OS cannot count there, are the model's. (The emulated NCCL's process group
+    runs its collectives from Python, past the dispatcher, so CallCounter sees none of them there
+    and the model reads 0; the model's bytes are checked on gloo, above.)"""
+    done = run_script(tmp_path, "import os\nos.environ['PARAKIT_EMULATE_GPUS'] = '4'\n" + EMULATED_MEASURE)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for rank, ((covered, where), peak, written, by) in enumerate(json.loads(done.stdout.splitlines()[-1])):
+        assert covered == [f"fgpu:{rank}"] and where == f"fgpu:{rank}", (rank, covered, where)
+        assert peak >= 4000
+        assert by == "model" and isinstance(written, int)
 
 
 def test_compare_needs_two_versions():
