@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import sys
 import threading
 import weakref
@@ -130,6 +131,7 @@ def _index(device) -> int:
 # ----------------------------------------------------------------------------- registration
 
 _LIBRARY = torch.library.Library("_", "IMPL")
+_ATEN = torch.library.Library("aten", "IMPL")
 
 
 def install(count: int) -> None:
@@ -141,8 +143,20 @@ def install(count: int) -> None:
     _setup_privateuseone_for_python_backend(NAME, backend_module=sys.modules[__name__])
     torch._C._set_multithreading_enabled(False)  # backward in the calling thread (see the module's note)
     _LIBRARY.fallback(_kernel, "PrivateUse1")
+    for op in _structured_ops():
+        _ATEN.impl(op, functools.partial(_kernel, op), "PrivateUse1")
     torch.serialization.register_package(0, lambda storage: None, _load)
     _state["installed"] = True
+
+
+def _structured_ops():
+    """The operators PyTorch would run on a new device as an empty tensor and their out= form
+    (two calls of `_kernel`): with `_kernel` registered for them, one call."""
+    for name in torch._C._dispatch_get_all_op_names():
+        if name.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU") and \
+                torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutogradNonFunctional"):
+            packet, _, overload = name[len("aten::"):].partition(".")
+            yield getattr(getattr(_aten, packet), overload or "default")
 
 
 def _load(storage, location: str):
