@@ -158,8 +158,9 @@ class ListLinear(torch.autograd.Function):
 def students(lesson: Path, solution: Path) -> list[panel.Student]:
     """Lesson 03. The hard-coder guesses the owners instead of reading them: parameter i to
     rank i % N in the ZeRO-1 step, layer by layer in the ZeRO-2 backward (right only for the
-    equal sizes of the visible tests), and needs no padding in the sharded linear (each 0 on
-    the hidden tests); the borrower all-reduces in the ZeRO-1 step, builds parakit's ShardedOptimizer in
+    equal sizes of the visible tests, and for some random sizes: the hidden tests also have
+    fixed sizes where neither guess is the owners), and needs no padding in the sharded linear
+    (each 0 on the hidden tests); the borrower all-reduces in the ZeRO-1 step, builds parakit's ShardedOptimizer in
     the ZeRO-2 backward and wraps the layer in parakit's FSDP (each 0 by the tripwires); the
     kernel hangs in the ZeRO-2 backward and dies in the sharded linear.
 
