@@ -60,6 +60,9 @@ found["memory"] = [torch.fgpu.memory_allocated(3) - before]
 del y
 found["memory"].append(torch.fgpu.memory_allocated(3) - before)
 found["pickled"] = str(pickle.loads(pickle.dumps(x)).device)
+with torch.autocast("fgpu", dtype=torch.bfloat16):
+    m = torch.randn(4, 4, device="fgpu:1")
+    found["autocast"] = [str((m @ m).dtype), str(m.softmax(-1).dtype), str((m + 1).dtype)]
 print(json.dumps(found))
 """
 
@@ -74,6 +77,7 @@ def test_fgpu_tensors_refuse_to_mix_devices_as_cuda_does(tmp_path):
     assert found["grad"] == ["fgpu:2", True]
     assert found["memory"] == [4000, 0]
     assert found["pickled"] == "fgpu:1"
+    assert found["autocast"] == ["torch.bfloat16", "torch.float32", "torch.float32"]  # CUDA's rules
 
 
 # ---------------------------------------------------------------- NCCL's streams, as data
@@ -124,7 +128,7 @@ def test_streams_report_a_receive_whose_sender_returned():
     streams.wait(0, 0)
     assert streams.idle(1, False, 1) == []
     text = streams.idle(1, True, 1)[0][1][1]
-    assert "rank 0 waits for its irecv from rank 1" in text and "rank 1 has returned from the launched function" in text
+    assert "rank 0 waits for its irecv from rank 1" in text and "rank 1 has left the launched function (returned or raised)" in text
 
 
 def test_streams_take_a_rank_idle_after_an_older_call_for_one_about_to_start():

@@ -12,6 +12,7 @@ current_device, set_device, device, synchronize, memory_allocated, max_memory_al
 reset_peak_memory_stats (every storage made on a device counts there until it dies).
 Random numbers on fgpu come from the CPU's generator. Backward runs in the thread that
 calls it (autograd's per-device threads need a device count a Python backend cannot give).
+`torch.autocast("fgpu")` casts as CUDA's autocast does (`amp`).
 `.to("fgpu")` without an index means fgpu:0 (PyTorch asks a device guard that a Python
 backend cannot give), where factories (`torch.ones(2, device="fgpu")`) take the current
 device: write the index, as `parakit.device()` does. Storage-level allocation
@@ -27,6 +28,8 @@ import threading
 import weakref
 
 import torch
+
+from parakit.emulation import amp
 
 __all__ = ["NAME", "install", "cpu_view", "memory_allocated", "max_memory_allocated", "reset_peak_memory_stats"]
 
@@ -111,6 +114,11 @@ def manual_seed(seed: int) -> None:
 manual_seed_all = manual_seed
 
 
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    """What torch.autocast("fgpu") may cast to (it asks before it starts)."""
+    return [torch.float16, torch.bfloat16]
+
+
 def _is_in_bad_fork() -> bool:
     return False
 
@@ -145,6 +153,7 @@ def install(count: int) -> None:
     _LIBRARY.fallback(_kernel, "PrivateUse1")
     for op in _structured_ops():
         _ATEN.impl(op, functools.partial(_kernel, op), "PrivateUse1")
+    amp.install(NAME)
     torch.serialization.register_package(0, lambda storage: None, _load)
     _state["installed"] = True
 

@@ -161,7 +161,7 @@ class Streams:
         lines = [f"emulated NCCL: rank{'s' * many} {', '.join(map(str, sorted(ranks)))} wait{'' if many else 's'} "
                  f"for operations that can never run (NCCL would hang here):"]
         lines += [f"  rank {rank} {self._waits(rank)}" for rank in sorted(ranks)]
-        lines += [f"  rank {r} has returned from the launched function" for r, s in sorted(self.blocked.items())
+        lines += [f"  rank {r} has left the launched function (returned or raised)" for r, s in sorted(self.blocked.items())
                   if s[0] == "idle" and not self._about_to_start(s)]
         lines += [f"  rank {rank}'s stream on {_comm_name(comm)} runs, in order: "
                   + ", ".join(entry.label() for entry in self.queues[rank, comm]) for rank, comm in streams]
