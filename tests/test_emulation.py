@@ -369,7 +369,8 @@ with process_group():
     dist.all_reduce(x)
     objects = [None, None]
     dist.all_gather_object(objects, dist.get_rank())
-    print(json.dumps([dist.get_rank(), dist.get_backend(), str(dist.group.WORLD.bound_device_id), x.tolist(), objects]))
+    world = dist.group.WORLD  # the emulated group: made eagerly on the rank's device (device_id was passed)
+    print(json.dumps([dist.get_rank(), dist.get_backend(), world.eager and str(world.device), x.tolist(), objects]))
 """
 
 

@@ -114,6 +114,15 @@ def manual_seed(seed: int) -> None:
 manual_seed_all = manual_seed
 
 
+def get_rng_state(device=None) -> torch.Tensor:
+    """The CPU generator's state: fgpu draws from it."""
+    return torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor, device=None) -> None:
+    torch.set_rng_state(state)
+
+
 def get_amp_supported_dtype() -> list[torch.dtype]:
     """What torch.autocast("fgpu") may cast to (it asks before it starts)."""
     return [torch.float16, torch.bfloat16]

@@ -49,8 +49,12 @@ def _create(options, _backend_options):
     ranks = list(options.global_ranks_in_group) or list(range(options.group_size))
     if not options.global_ranks_in_group or not LINK:  # the world's first emulated group: its coordinator
         connect(options.store, options.group_rank, options.group_size)
-    return EmulatedNCCL(options.store, options.group_rank, options.group_size, ranks, options.timeout,
-                        options.group_id)
+    group = EmulatedNCCL(options.store, options.group_rank, options.group_size, ranks, options.timeout,
+                         options.group_id)
+    default = c10d._world.default_pg if dist.is_initialized() else None
+    if isinstance(default, EmulatedNCCL) and default.eager:  # a subgroup of an eager world starts eagerly too
+        group._bind(torch.device(fgpu.NAME, fgpu.current_device()))
+    return group
 
 
 def _batch_isend_irecv(p2p_op_list):
@@ -114,26 +118,44 @@ class EmulatedNCCL(dist.ProcessGroup):
         self.ranks, self.name, self.link = ranks, name, LINK[0]
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
         self.eager, self.device, self.batch = False, None, None
+        self.group_name_, self.group_desc_ = name, "undefined"
         self.connected: set[tuple] = set()
         self.counts: Counter = Counter()
 
     def getBackendName(self):
         return BACKEND
 
+    def getGroupName(self):  # kept here: torch keeps a group's name in its C++ backends, and this group has none
+        return self.group_name_
+
+    def setGroupName(self, name):
+        self.group_name_ = name
+
+    def getGroupDesc(self):
+        return self.group_desc_
+
+    def setGroupDesc(self, desc):
+        self.group_desc_ = desc
+
     @property
     def _device_types(self):
         return [torch.device(fgpu.NAME)]
 
     def _get_backend(self, device):
-        """What init_process_group(device_id=device) (and new_group after it) asks: the group
-        is bound to `device` and, as NCCL's eager start does, makes its communicator now."""
+        """What init_process_group(device_id=device) asks: the group is bound to `device` and,
+        as NCCL's eager start does, makes its communicator now (torch's bound_device_id is
+        left unset, so that DeviceMesh makes its groups with new_group, which this backend
+        serves, rather than by splitting NCCL's communicator)."""
         device = torch.device(device)
         if device.type != fgpu.NAME:
             raise RuntimeError(f"the emulated NCCL group has no backend for device type {device.type}")
-        if not self.eager:
-            self.eager, self.device, self.bound_device_id = True, device, device
-            self._connect(self._comm())
+        self._bind(device)
         return self
+
+    def _bind(self, device: torch.device) -> None:
+        if not self.eager:
+            self.eager, self.device = True, device
+            self._connect(self._comm())
 
     # -------------------------------------------------------------------------- posting
 
