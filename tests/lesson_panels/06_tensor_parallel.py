@@ -193,7 +193,8 @@ BORROWED = {
 def students(lesson: Path, solution: Path) -> list[panel.Student]:
     """Lesson 06. The hard-coder all-reduces f's gradient in place (wrong once the gradient
     is shared with another branch), makes layers that never check divisibility, and drops
-    the max from the loss (overflows on large logits): each fails its hidden tests. The
+    the max from the loss (overflows on large logits; one hidden case has every logit near 200,
+    since 300 x randn can draw a few that all stay below 88.7): each fails its hidden tests. The
     borrower uses parakit's f, torch's differentiable all-reduce, parakit's layers and MLP,
     and torch's loss_parallel: 0 on every exercise. The kernel hangs in the MLP
     and dies in the loss. Wrong techniques with right values, 0 on their exercise and on those
