@@ -17,10 +17,9 @@ import parakit
 from p2p_order import assert_nccl_can_run, recording, run_emulated
 from parakit import CollectiveHang, CommLog
 from parakit.ddp import BucketedDDP
-from parakit.pipeline import (Op, activation_shapes, build_schedule, dp_pp_step, pipeline_step, run_schedule, simulate,
-                              split_microbatches, split_stages)
+from parakit.pipeline import (Op, activation_shapes, batches, build_schedule, dp_pp_step, pipeline_step, run_schedule,
+                              simulate, split_microbatches, split_stages)
 from parakit.pipeline.schedules import rank_of
-from parakit.pipeline.simulate import batches
 
 HIDDEN = 8
 

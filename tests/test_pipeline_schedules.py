@@ -10,9 +10,8 @@ import pytest
 from torch import nn
 
 from parakit.pipeline import (Action, Op, Schedule, ScheduleError, balance_from_split_points, bubble_formula,
-                              build_schedule, check_schedule, format_grid, simulate, split_stages)
+                              build_schedule, check_batches, check_schedule, format_grid, simulate, split_stages)
 from parakit.pipeline.schedules import with_communication
-from parakit.pipeline.simulate import check_batches
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 4, 5, 8, 12, 16)]
 
@@ -76,7 +75,8 @@ def test_every_schedule_runs_as_nccl_runs_its_batches_and_computes_when_it_did(n
     whatever the actions take."""
     s = build_schedule(name, p, m, v)
     check_batches(s)
-    for times in (None, {"F": 1, "B": 2}, {"F": Fraction(1), "B": Fraction(3), "W": Fraction(1, 2), "SEND_F": Fraction(1, 3)}):
+    uneven = {"F": Fraction(1), "B": Fraction(3), "W": Fraction(1, 2), "SEND_F": Fraction(1, 3)}
+    for times in (None, {"F": 1, "B": 2}, uneven):
         new, old = simulate(s, times), simulate(receives_right_before_their_compute(s), times)
         compute = lambda line: sorted((e.rank, e.action, e.start, e.end) for e in line.events if e.action.op.is_compute)
         assert compute(new) == compute(old) and new.peak_activations == old.peak_activations, times

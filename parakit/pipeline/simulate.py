@@ -19,8 +19,8 @@ from typing import Callable, Mapping, NamedTuple
 
 from parakit.pipeline.actions import Action, Op
 
-__all__ = ["Event", "Timeline", "simulate", "check_schedule", "check_batches", "batches", "format_grid", "bubble_formula",
-           "ScheduleError"]
+__all__ = ["Event", "Timeline", "simulate", "check_schedule", "check_batches", "batches", "format_grid",
+           "bubble_formula", "ScheduleError"]
 
 
 class ScheduleError(ValueError):
