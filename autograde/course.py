@@ -37,6 +37,7 @@ from nbgrader.coursedir import CourseDirectory
 from nbgrader.validator import Validator
 from traitlets.config.loader import PyFileConfigLoader
 
+from autograde import gradebook
 from autograde.sealed import Result, Task, course_salt, grade_all, inspect_submission, read_submission, restore, snapshot
 from parakit.grading import isolation
 
@@ -338,10 +339,14 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
     log.setLevel(logging.INFO)
     handler = logging.FileHandler(out / "grading.log", mode="w")
     log.addHandler(handler)
+    notes: list[str] = []
     try:
         course = Course(root=root, solutions=solutions, timeout=timeout, log=log)
+        course_id = course.config.CourseDirectory.course_id
+        notes += gradebook.set_aside_foreign(course.root, course_id)  # before release() writes to it
         released = course.release()
-        found, strays, notes = collect(submissions, list(released))
+        found, strays, found_notes = collect(submissions, list(released))
+        notes += found_notes
         guarded = [Path(parakit_dir()), course.solutions, *Path(HERE).glob("*.py")]
         kept = snapshot(guarded)
         unsealed = isolation.unavailable()
@@ -382,6 +387,10 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
         if in_kernel:
             for result in results:
                 result.notes += compare_in_kernel(course, result, found, released)
+        db_url = course.api.coursedir.db_url
+        notes += gradebook.drop_absent(db_url, course_id, course.root, list(released), set(found), submissions)
+        gradebook.record(db_url, course_id, course.root, results, found, out / "graded",
+                         {a: nbformat.read(p, as_version=4) for a, p in released.items()})
         write_outputs(results, notes, out)
         unfinished.unlink()
         return results

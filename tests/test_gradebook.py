@@ -11,6 +11,7 @@ and the venv's bin folder not on PATH.
 """
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from nbgrader.api import Gradebook
 
 import panel
 from conftest import REPO
@@ -33,6 +35,7 @@ from conftest import REPO
 FIXTURES = Path(__file__).parent / "fixtures"
 ENV_CONFIG = Path(sys.prefix) / "etc" / "jupyter" / "nbgrader_config.py"   # written by .ci/setup
 BIN = str(Path(sys.executable).parent)
+os.environ["PATH"] = os.pathsep.join([BIN, os.environ.get("PATH", "")])  # this process makes gradebooks too
 
 
 @dataclass
@@ -182,14 +185,91 @@ def test_the_readme_jupyterlab_finds_the_course_config_and_keeps_the_gradebook_i
     assert ignored.returncode == 0, "autograde/gradebook.db is not ignored by git"
 
 
-def test_the_formgrader_api_lists_the_assignment_students_and_submissions(course, lab):
+SEALED = {"alice": 5.0, "bob": 3.0, "carol": 0.0}   # the class's sealed totals, of 5
+
+
+def test_the_formgrader_api_returns_the_sealed_scores(course, lab):
     assert lab.get("/formgrader/api/status") == {"status": True}
-    assert [a["name"] for a in lab.get("/formgrader/api/assignments")] == ["toy"]
-    assert isinstance(lab.get("/formgrader/api/students"), list)
-    assert isinstance(lab.get("/formgrader/api/submissions/toy"), list)
+    [toy] = lab.get("/formgrader/api/assignments")
+    assert (toy["name"], toy["num_submissions"], toy["max_score"]) == ("toy", 3, 5.0)
+    assert {s["id"]: s["score"] for s in lab.get("/formgrader/api/students")} == SEALED
+    submissions = lab.get("/formgrader/api/submissions/toy")
+    assert {s["student"]: s["score"] for s in submissions} == SEALED
+    assert all(s["autograded"] and not s["needs_manual_grade"] for s in submissions)
+    notebooks = lab.get("/formgrader/api/submitted_notebooks/toy/toy")
+    assert {nb["student"]: nb["score"] for nb in notebooks} == SEALED
+    [bob] = [nb for nb in notebooks if nb["student"] == "bob"]
+    grades = lab.get(f"/formgrader/api/grades?submission_id={bob['id']}")
+    assert {g["name"]: g["auto_score"] for g in grades} == {"test_add": 1.0, "test_add_hidden": 2.0, "test_mean": 0.0}
+    [mean] = [c for c in lab.get(f"/formgrader/api/comments?submission_id={bob['id']}") if c["name"] == "mean"]
+    assert mean["auto_comment"].startswith("test_mean 0/2: AssertionError: mean([1, 2, 3],): returned a int")
     page = lab.get("/formgrader/manage_assignments")
     assert "toy" in page or "nbgrader" in page
     log = lab.log.read_text()
     assert "No nbgrader_config.py file found" not in log
     assert "not a subdirectory of the notebook server root" not in log
     assert "Traceback" not in log, log
+
+
+# ---------------------------------------------------------------------------- the gradebook
+
+def nbgrader(course: Course, *args: str) -> subprocess.CompletedProcess:
+    """The plain `nbgrader` command on the test's course root, PATH without the venv's bin."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "VIRTUAL_ENV"))}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p and p != BIN)
+    run = subprocess.run([f"{BIN}/nbgrader", *args, f"--CourseDirectory.root={course.root}"], cwd=course.root,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run
+
+
+def exported(course: Course) -> dict[str, tuple[float, float]]:
+    """student -> (score, max score) of the toy, from `nbgrader export`'s CSV."""
+    target = course.root.parent / "export.csv"
+    nbgrader(course, "export", f"--CsvExportPlugin.to={target}")
+    with open(target) as f:
+        return {row["student_id"]: (float(row["score"]), float(row["max_score"]))
+                for row in csv.DictReader(f) if row["assignment"] == "toy"}
+
+
+def test_nbgrader_export_lists_the_sealed_totals(course, graded):
+    assert exported(course) == {s: (score, 5.0) for s, score in SEALED.items()}
+
+
+def test_regrading_replaces_scores_keeps_manual_comments_and_drops_a_student_gone(course, graded):
+    """bob hands in the full solution and carol's folder is gone: bob 5/5 (a comment a person
+    wrote on his submission kept), carol out of the gradebook, its files and the export, in one line."""
+    with Gradebook(f"sqlite:///{course.root}/gradebook.db", "parakit") as gb:
+        gb.find_comment("mean", "toy", "toy", "bob").manual_comment = "see me"
+        gb.db.commit()
+    students = toy_students(course)
+    run = grade(course, hand_in(course.root.parent / "class", {"alice": students["alice"],
+                                                              "bob": students["alice"]}))
+    assert "carol: no folder in" in run.stdout and "removed from the gradebook toy (0/5)" in run.stdout
+    assert exported(course) == {"alice": (5.0, 5.0), "bob": (5.0, 5.0)}
+    with Gradebook(f"sqlite:///{course.root}/gradebook.db", "parakit") as gb:
+        assert sorted(s.id for s in gb.students) == ["alice", "bob"]
+        assert gb.find_comment("mean", "toy", "toy", "bob").manual_comment == "see me"
+        assert gb.find_comment("mean", "toy", "toy", "bob").auto_comment is None
+    for step in ("submitted", "autograded"):
+        assert not (course.root / step / "carol").exists() or not any((course.root / step / "carol").iterdir())
+
+
+def test_a_gradebook_of_another_course_is_moved_aside_in_one_line(course, tmp_path):
+    other = tmp_path / "other"
+    with Gradebook(f"sqlite:///{other}.db", "ml101") as gb:
+        gb.add_assignment("hw1")
+        gb.add_student("zed")
+    root = tmp_path / "course"
+    root.mkdir()
+    shutil.copyfile(f"{other}.db", root / "gradebook.db")
+    run = run_course(course, "grade", str(hand_in(tmp_path / "class", {"alice": toy_students(course)["alice"]})),
+                     "--root", str(root), "--out", str(tmp_path / "out"), "--timeout", "60")
+    assert run.returncode == 0, run.stdout + run.stderr
+    [line] = [l for l in run.stdout.splitlines() if "gradebook.db belongs to another course" in l]
+    assert "(ml101; assignments hw1): moved to gradebook.db." in line
+    [aside] = root.glob("gradebook.db.*.old")
+    assert aside.read_bytes() == Path(f"{other}.db").read_bytes()
+    with Gradebook(f"sqlite:///{root}/gradebook.db", "parakit") as gb:
+        assert [s.id for s in gb.students] == ["alice"]
+        assert gb.find_submission("toy", "alice").score == 5.0
