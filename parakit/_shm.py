@@ -115,6 +115,8 @@ class _Pickler(cloudpickle.Pickler):
             storage, dtype = obj, None
         else:
             return None
+        if storage.device.type == "meta":
+            return None  # no bytes: pickled as torch pickles it
         if storage._cdata not in self.names and storage.device.type != "cpu":
             self.copies.append(storage.cpu())
             self.names[storage._cdata] = self._name(self.copies[-1])

@@ -107,6 +107,11 @@ def test_tensors_come_back_detached_through_every_kind_of_container():
         assert type(result["parameter"]) is torch.nn.Parameter and result["parameter"].requires_grad
 
 
+def test_meta_tensor_arguments_arrive_as_meta_tensors():
+    assert parakit.launch(lambda m: (m.device.type, tuple(m.shape)), torch.empty(3, 4, device="meta"),
+                          world_size=2) == [("meta", (3, 4))] * 2
+
+
 def test_lambda_closure_and_classes_from_the_test_module_run_on_every_rank():
     offset = 100
 
