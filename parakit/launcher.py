@@ -484,7 +484,11 @@ class _Call:
         raise error
 
     def _failure_error(self) -> LaunchError:
-        """Deaths first, then tracebacks; errors that only echo a death get one line."""
+        """Deaths first, then tracebacks; errors that only echo a death get one line. Ranks
+        that all stopped where NCCL would hang (the emulated NCCL's error): a CollectiveHang."""
+        failed = {r: reply for r, reply in self.replies.items() if reply[0] != "ok"}
+        if failed and not self.deaths and all(reply[0] == "broken" for reply in failed.values()):
+            return _emulated_hang(failed)
         failures = {r: _how_it_died(code) for r, code in self.deaths.items()}
         failures.update({r: reply[1] for r, reply in self.replies.items() if reply[0] != "ok"})
         culprits = sorted(self.deaths) or sorted(failures)
@@ -504,6 +508,13 @@ class _Call:
         if others:
             lines += ["while the other ranks waited:"] + others
         return (RankDied if self.deaths else RankError)("\n".join(lines), failures)
+
+
+def _emulated_hang(failed: dict[int, tuple]) -> CollectiveHang:
+    """The emulated NCCL's account of the hang (every stopped rank got the same one)."""
+    text = next(iter(failed.values()))[1].rstrip().rsplit("EmulatedNCCLError: ", 1)[-1]
+    return CollectiveHang(f"{text}\nThe ranks were stopped; the next call starts them again.",
+                          {rank: text for rank in failed})
 
 
 def can_complete(rank: int, current: dict[int, tuple], calls: dict[int, tuple[int, dict]]) -> bool:

@@ -300,27 +300,37 @@ def lazy_ring():  # a group made without device_id: NCCL connects each pair at i
     dist.recv(y, (rank - 1) % n, group=group)
     request.wait()
 
+def mismatched():  # lesson 00's hang
+    x = torch.ones(1, device=parakit.device())
+    if dist.get_rank() == 0:
+        dist.all_reduce(x)
+    else:
+        dist.broadcast(x, 0)
+
 found = {}
-for name, fn, n, backend in [("eager", ring_sends_first, 3, "nccl"), ("lazy", lazy_ring, 3, "gloo")]:
+for name, fn, n, backend in [("eager", ring_sends_first, 3, "nccl"), ("lazy", lazy_ring, 3, "gloo"),
+                             ("mismatched", mismatched, 2, "nccl")]:
     try:
         launcher.launch(fn, world_size=n, backend=backend, timeout=60)
-    except parakit.RankError as error:
+    except parakit.CollectiveHang as error:
         found[name] = [str(error), launcher.pool_generation(n, "fnccl" if backend == "nccl" else backend)]
 found["batched"] = [launcher.launch(batched_ring, world_size=n) for n in (3, 4)]
 print(json.dumps(found))
 """
 
 
-def test_hangs_nccl_would_hang_in_fail_at_once_naming_ranks_and_order(tmp_path):
+def test_hangs_nccl_would_hang_in_stop_at_once_as_a_collective_hang_naming_ranks_and_order(tmp_path):
     found = run_emulated(tmp_path, HANGS)
     eager, generation = found["eager"]
-    assert "EmulatedNCCLError: emulated NCCL: rank" in eager and "wait" in eager
+    assert eager.startswith("emulated NCCL: rank") and eager.endswith("the next call starts them again.")
     for rank in range(3):
         assert (f"rank {rank}'s stream on group 0 runs, in order: send to rank {(rank + 1) % 3}" in eager
                 or f"rank {rank} waits for its send to rank {(rank + 1) % 3}" in eager)
     assert generation is None  # the hung world is stopped: the next call starts new ranks
     lazy, _ = found["lazy"]
     assert "waits to set up the communicator of group 1's pair" in lazy and "Pass device_id" in lazy
+    assert found["mismatched"][0].startswith("collective mismatch on group 0: its call #1 is ")
+    assert "all_reduce on rank 0" in found["mismatched"][0] and "broadcast on rank 1" in found["mismatched"][0]
     assert found["batched"] == [[2.0, 0.0, 1.0], [3.0, 0.0, 1.0, 2.0]]
 
 
