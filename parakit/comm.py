@@ -443,7 +443,10 @@ class P2PBatch:
 def post_batch(ops: list[tuple[str, torch.Tensor, int]], group=None) -> P2PBatch:
     """Post `ops`, each ("send" | "recv", tensor, peer as a rank of `group`), as one
     `dist.batch_isend_irecv`: each send sends its tensor's bytes to its peer, each receive
-    fills its tensor from its peer. Returns the P2PBatch to wait on."""
+    fills its tensor from its peer. Returns the P2PBatch to wait on. On the meta device (shape
+    propagation, as `pipeline.activation_shapes` runs a stage) nothing is posted: no bytes."""
+    if any(tensor.is_meta for _, tensor, _ in ops):
+        return P2PBatch([], [], False)
     before = TRACKER.seq
     p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, group=group, group_peer=peer)
            for kind, tensor, peer in ops]

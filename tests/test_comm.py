@@ -356,6 +356,15 @@ def test_ring_all_reduce_runs_on_the_emulated_nccl_at_3_and_4_ranks(tmp_path):
     assert found == {"3": [[True, "fgpu"]] * 3, "4": [[True, "fgpu"]] * 4}
 
 
+def test_a_batch_of_meta_tensors_posts_nothing():
+    """Shape propagation (pipeline.activation_shapes runs a stage with ring attention on the
+    meta device) moves no bytes: batch_isend_irecv would ask the group for a meta backend."""
+    before = comm.TRACKER.seq
+    batch = comm.post_batch([("send", torch.empty(3, device="meta"), 1), ("recv", torch.empty(3, device="meta"), 1)])
+    batch.wait()
+    assert (batch.works, batch.calls, comm.TRACKER.seq) == ([], [], before)
+
+
 def exchange_with_a_rank_that_left():
     if dist.get_rank() == 0:
         comm.post_batch([("send", torch.ones(1000), 1), ("recv", torch.empty(1000), 1)]).wait()
