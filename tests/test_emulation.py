@@ -60,6 +60,8 @@ found["memory"] = [torch.fgpu.memory_allocated(3) - before]
 del y
 found["memory"].append(torch.fgpu.memory_allocated(3) - before)
 found["pickled"] = str(pickle.loads(pickle.dumps(x)).device)
+import copy
+found["made_there"] = [str(copy.deepcopy(x).device), str(torch.UntypedStorage(8, device="fgpu:2").device)]
 with torch.autocast("fgpu", dtype=torch.bfloat16):
     m = torch.randn(4, 4, device="fgpu:1")
     found["autocast"] = [str((m @ m).dtype), str(m.softmax(-1).dtype), str((m + 1).dtype)]
@@ -77,6 +79,7 @@ def test_fgpu_tensors_refuse_to_mix_devices_as_cuda_does(tmp_path):
     assert found["grad"] == ["fgpu:2", True]
     assert found["memory"] == [4000, 0]
     assert found["pickled"] == "fgpu:1"
+    assert found["made_there"] == ["fgpu:1", "fgpu:2"]  # PyTorch would crash allocating there (no allocator)
     assert found["autocast"] == ["torch.bfloat16", "torch.float32", "torch.float32"]  # CUDA's rules
 
 

@@ -15,8 +15,9 @@ calls it (autograd's per-device threads need a device count a Python backend can
 `torch.autocast("fgpu")` casts as CUDA's autocast does (`amp`).
 `.to("fgpu")` without an index means fgpu:0 (PyTorch asks a device guard that a Python
 backend cannot give), where factories (`torch.ones(2, device="fgpu")`) take the current
-device: write the index, as `parakit.device()` does. Storage-level allocation
-(`torch.UntypedStorage(n, device="fgpu")`, `storage.resize_`) is not emulated.
+device: write the index, as `parakit.device()` does. A storage made on fgpu
+(`torch.UntypedStorage(n, device="fgpu")`, as deepcopy and `storage.clone()` do) is made on
+the CPU and handed over (`_new_storage`); `storage.resize_` is not emulated.
 """
 from __future__ import annotations
 
@@ -164,7 +165,21 @@ def install(count: int) -> None:
         _ATEN.impl(op, functools.partial(_kernel, op), "PrivateUse1")
     amp.install(NAME)
     torch.serialization.register_package(0, lambda storage: None, _load)
+    _ORIGINAL_NEW[0] = torch.UntypedStorage.__new__
+    torch.UntypedStorage.__new__ = _new_storage
     _state["installed"] = True
+
+
+_ORIGINAL_NEW = [None]  # torch.UntypedStorage's own constructor
+
+
+def _new_storage(cls, *args, device=None, **kwargs):
+    """torch.UntypedStorage(..., device="fgpu:i"): made on the CPU and owned on fgpu:i (a
+    Python backend has no allocator of its own: PyTorch would crash making it there)."""
+    if device is not None and torch.device(device).type == NAME:
+        return _storage_on(_ORIGINAL_NEW[0](cls, *args, **kwargs), _index(device))
+    return _ORIGINAL_NEW[0](cls, *args, **kwargs) if device is None else _ORIGINAL_NEW[0](cls, *args, device=device,
+                                                                                           **kwargs)
 
 
 def _structured_ops():
