@@ -65,6 +65,8 @@ found["made_there"] = [str(copy.deepcopy(x).device), str(torch.UntypedStorage(8,
 with torch.autocast("fgpu", dtype=torch.bfloat16):
     m = torch.randn(4, 4, device="fgpu:1")
     found["autocast"] = [str((m @ m).dtype), str(m.softmax(-1).dtype), str((m + 1).dtype)]
+with torch.autocast("cpu", dtype=torch.bfloat16):  # not for a GPU's tensors, as on CUDA
+    found["autocast"].append(str((m @ m).dtype))
 print(json.dumps(found))
 """
 
@@ -80,7 +82,7 @@ def test_fgpu_tensors_refuse_to_mix_devices_as_cuda_does(tmp_path):
     assert found["memory"] == [4000, 0]
     assert found["pickled"] == "fgpu:1"
     assert found["made_there"] == ["fgpu:1", "fgpu:2"]  # PyTorch would crash allocating there (no allocator)
-    assert found["autocast"] == ["torch.bfloat16", "torch.float32", "torch.float32"]  # CUDA's rules
+    assert found["autocast"] == ["torch.bfloat16", "torch.float32", "torch.float32", "torch.float32"]  # CUDA's rules
 
 
 # ---------------------------------------------------------------- NCCL's streams, as data

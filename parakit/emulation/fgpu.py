@@ -36,6 +36,7 @@ __all__ = ["NAME", "install", "cpu_view", "memory_allocated", "max_memory_alloca
 
 NAME = "fgpu"
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_CPU_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 _aten = torch.ops.aten
 _SET = _aten.set_.source_Storage_storage_offset
 _state = {"count": 0, "default": 0, "installed": False}  # devices; the current device of new threads
@@ -210,7 +211,9 @@ def _kernel(op, *args, **kwargs):
     if op is _aten.resize_.default:
         return _resize(*args, **kwargs)
     call = _Call(op)
-    out = op(*call.to_cpu(args), **call.to_cpu(kwargs))
+    args, kwargs = call.to_cpu(args), call.to_cpu(kwargs)
+    with torch._C._ExcludeDispatchKeyGuard(_CPU_AUTOCAST):  # autocast("cpu") is not for a GPU's tensors
+        out = op(*args, **kwargs)
     call.update_inputs()
     return call.to_fgpu(out)
 
