@@ -7,7 +7,7 @@ own GPU, GPU LOCAL_RANK, made current before the process group exists and passed
 CPU under gloo. The GPUs are CUDA's, or fgpu's on the emulated box
 (PARAKIT_EMULATE_GPUS=N, see `parakit.emulation`), whose NCCL is the backend "fnccl".
 
-For DataParallel, devices are CUDA GPUs where there are enough of them. On CPU they are
+For DataParallel, devices are GPUs where there are enough of them. On CPU they are
 *logical*: `torch.device("cpu", i)` for i = 0..k-1, all backed by the CPU; which logical
 device a tensor lives on is known to the `MemoryMeter` measuring, which counts every
 storage on the device it was made on (see MemoryMeter). Without a meter, CPU tensors live
@@ -104,7 +104,7 @@ def select_backend(backend: str, world_size: int, gpus: int, nccl_built: bool, v
 
 def _module(kind: str):
     """torch.cuda, or torch.fgpu on the emulated box: the device's current-device and memory API."""
-    if kind == emulation.DEVICE:
+    if kind == emulation.DEVICE and not hasattr(torch, kind):
         emulation.install()
     return getattr(torch, kind)
 
@@ -171,12 +171,12 @@ class MemoryMeter:
     """Peak bytes per device while the `with` block runs, indexed like `device_ids`.
 
     On GPUs: torch.cuda.max_memory_allocated (torch.fgpu's on the emulated box; peaks reset
-    on entry). On logical CPU
-    devices: every tensor an operator returns in this thread, and in parallel_apply's
-    threads, is placed on a device (the device of a copy's destination; else of its first
-    input that has one; else the thread's current device, 0 in the caller's thread) and
-    its storage counted there until the storage dies. Views share their storage and count
-    once. Tensors made before the block count once `place`d (e.g. the parameters).
+    on entry). On logical CPU devices: every tensor an operator returns in this thread, and
+    in parallel_apply's threads, is placed on a device (the device of a copy's destination;
+    else of its first input that has one; else the thread's current device, 0 in the
+    caller's thread) and its storage counted there until the storage dies. Views share
+    their storage and count once. Tensors made before the block count once `place`d (e.g.
+    the parameters).
     """
 
     def __init__(self, device_ids: Sequence[int | torch.device] | None = None):
