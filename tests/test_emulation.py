@@ -67,6 +67,12 @@ with torch.autocast("fgpu", dtype=torch.bfloat16):
     found["autocast"] = [str((m @ m).dtype), str(m.softmax(-1).dtype), str((m + 1).dtype)]
 with torch.autocast("cpu", dtype=torch.bfloat16):  # not for a GPU's tensors, as on CUDA
     found["autocast"].append(str((m @ m).dtype))
+from torch.utils._python_dispatch import TorchDispatchMode
+class Passing(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+with Passing():  # as MemoryMeter's and torch's modes are
+    found["under_a_mode"] = str(torch.tensor([1], device="fgpu:1").device)
 print(json.dumps(found))
 """
 
@@ -81,6 +87,7 @@ def test_fgpu_tensors_refuse_to_mix_devices_as_cuda_does(tmp_path):
     assert found["grad"] == ["fgpu:2", True]
     assert found["memory"] == [4000, 0]
     assert found["pickled"] == "fgpu:1"
+    assert found["under_a_mode"] == "fgpu:1"
     assert found["made_there"] == ["fgpu:1", "fgpu:2"]  # PyTorch would crash allocating there (no allocator)
     assert found["autocast"] == ["torch.bfloat16", "torch.float32", "torch.float32", "torch.float32"]  # CUDA's rules
 

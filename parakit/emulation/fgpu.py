@@ -162,7 +162,7 @@ def install(count: int) -> None:
     _setup_privateuseone_for_python_backend(NAME, backend_module=sys.modules[__name__])
     torch._C._set_multithreading_enabled(False)  # backward in the calling thread (see the module's note)
     _LIBRARY.fallback(_kernel, "PrivateUse1")
-    for op in _structured_ops():
+    for op in _cpu_ops():
         _ATEN.impl(op, functools.partial(_kernel, op), "PrivateUse1")
     amp.install(NAME)
     torch.serialization.register_package(0, lambda storage: None, _load)
@@ -183,14 +183,18 @@ def _new_storage(cls, *args, device=None, **kwargs):
                                                                                            **kwargs)
 
 
-def _structured_ops():
-    """The operators PyTorch would run on a new device as an empty tensor and their out= form
-    (two calls of `_kernel`): with `_kernel` registered for them, one call."""
+def _cpu_ops():
+    """The operators PyTorch runs with a kernel per device (not composed of others), and the
+    copies between devices: each gets fgpu's kernel by name. (A Python fallback alone would
+    do, but PyTorch cannot reach one while a TorchDispatchMode is active, and would run the
+    structured operators as an empty tensor plus their out= form: two calls.)"""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
     for name in torch._C._dispatch_get_all_op_names():
-        if name.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU") and \
-                torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutogradNonFunctional"):
+        if name.startswith("aten::") and has(name, "CPU") and not has(name, "CompositeExplicitAutograd") \
+                and not has(name, "CompositeImplicitAutograd"):
             packet, _, overload = name[len("aten::"):].partition(".")
             yield getattr(getattr(_aten, packet), overload or "default")
+    yield from _COPIES
 
 
 def _load(storage, location: str):
