@@ -2,7 +2,7 @@
 
     python -m autograde.course generate [--check]     solutions/*.ipynb -> lessons/*.ipynb
     python -m autograde.course validate               solutions pass, untouched lessons fail
-    python -m autograde.course grade SUBMISSIONS [--out DIR] [--jobs N] [--in-kernel]
+    python -m autograde.course grade SUBMISSIONS [--lesson 03] [--student alice] [--out DIR] [--jobs N] [--in-kernel]
 
 nbgrader generates the student lessons from the solutions and validates them (course root:
 this folder, see nbgrader_config.py). SUBMISSIONS holds one folder per student with that
@@ -10,11 +10,14 @@ student's notebooks, named as the lessons are (`alice/00_collectives.ipynb`); ea
 by the sealed judge (autograde.sealed, parakit.grading.judge), N at a time. Under --out
 (default: autograde/grades/) land grades.csv (one row per student and lesson),
 grades_by_test.csv, report.txt, grading.log, graded/<student>/<lesson>.ipynb and
-feedback/<student>/<lesson>.html. Running it again regrades everything.
+feedback/<student>/<lesson>.html; the grades also go into nbgrader's gradebook
+(autograde.gradebook). It grades the lessons asked (--lesson) or handed in, for the students
+asked (--student) or all; a run replaces what it grades and keeps the rest.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import difflib
@@ -101,11 +104,11 @@ class Course:
             raise SystemExit(f"no solution notebooks in {self.solutions}")
         return names
 
-    def release(self) -> dict[str, Path]:
-        """Copy each solution into source/<name>/ and run nbgrader generate_assignment;
-        return the student notebook (release/<name>/<name>.ipynb) of each."""
+    def release(self, names: list[str] | None = None) -> dict[str, Path]:
+        """Copy each solution (or those of `names`) into source/<name>/ and run nbgrader
+        generate_assignment; return the student notebook (release/<name>/<name>.ipynb) of each."""
         released = {}
-        for name in self.assignments():
+        for name in self.assignments() if names is None else names:
             source = self.root / "source" / name
             source.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(self.solutions / f"{name}.ipynb", source / f"{name}.ipynb")
@@ -285,13 +288,14 @@ def grade_in_kernel(course: Course, student: str, assignment: str, path: Path | 
     return result
 
 
-STUDENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]*$")
+STUDENT_ID = re.compile(r"^\w(?:[\w.@ -]*[\w.@-])?$")   # letters of any script, digits, _.@- and inner spaces
+PLAIN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]*$")
 
 
 def collect(submissions: Path, assignments: list[str]):
-    """student -> assignment -> notebook path (None when absent); report lines per student
-    and assignment for files that match no assignment; report lines for everything else
-    that is not where it should be."""
+    """student -> assignment -> notebook path (None when absent); (student, assignment) ->
+    report lines for files named like no assignment (assignment: the closest name, or None);
+    report lines for everything else that is not where it should be, one each."""
     found, strays, notes = {}, {}, []
     expected = sorted(f"{a}.ipynb" for a in assignments)
     for entry in sorted(submissions.iterdir()):
@@ -300,26 +304,58 @@ def collect(submissions: Path, assignments: list[str]):
         if not entry.is_dir():
             notes.append(f"{entry.name}: not in a student folder, ignored")
             continue
-        if not STUDENT_ID.match(entry.name):
-            notes.append(f"{entry.name}/: not a usable student id (letters, digits, _.@- only), ignored")
+        if not STUDENT_ID.match(entry.name) or len(entry.name) > 128:
+            notes.append(f"{entry.name!r}: not usable as a student id (letters, digits, _.@- and inner spaces, "
+                         f"at most 128), ignored: rename the folder and grade again")
             continue
+        if not PLAIN_ID.match(entry.name):
+            notes.append(f"{entry.name!r}: graded under this id, which has "
+                         f"{'a space' if ' ' in entry.name else 'letters beyond ASCII'}: check that your LMS "
+                         f"knows it (`nbgrader export` writes it as it is)")
         files = {p.name: p for p in entry.iterdir() if p.is_file() and not p.name.startswith(".")}
         found[entry.name] = {a: files.get(f"{a}.ipynb") for a in assignments}
         for name in sorted(set(files) - set(expected)):
             close = difflib.get_close_matches(name, expected, n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]}? rename it and grade again)" if close else ""
-            target = close[0][:-len(".ipynb")] if close else assignments[0]
-            strays.setdefault((entry.name, target), []).append(
+            strays.setdefault((entry.name, close[0][:-len(".ipynb")] if close else None), []).append(
                 f"{name} does not match any assignment{hint}; expected one of " + ", ".join(expected))
     return found, strays, notes
 
 
+def choose(found: dict, strays: dict, assignments: list[str], lessons: list[str] | None,
+           students: list[str] | None) -> tuple[list[str], list[str]]:
+    """The students and lessons to grade: those asked (`--lesson 03`, `--student alice`), else
+    every student folder and every lesson some student handed in (or misnamed)."""
+    if students:
+        unknown = [s for s in students if s not in found]
+        if unknown:
+            raise SystemExit(f"--student {' '.join(unknown)}: no such student folder; "
+                             f"the students are {', '.join(found) or 'none'}")
+    chosen_students = [s for s in found if not students or s in students]
+    if lessons:
+        chosen = []
+        for asked in lessons:
+            match = [a for a in assignments if asked.removesuffix(".ipynb") in (a, a.split("_")[0])
+                     or (asked.isdigit() and a.split("_")[0].isdigit() and int(asked) == int(a.split("_")[0]))]
+            if len(match) != 1:
+                raise SystemExit(f"--lesson {asked}: no such lesson; the lessons are {', '.join(assignments)}")
+            chosen += [m for m in match if m not in chosen]
+        return chosen_students, sorted(chosen)
+    handed = {a for s in chosen_students for a, path in found[s].items() if path} | \
+             {a for (s, a) in strays if a and s in chosen_students}
+    return chosen_students, [a for a in assignments if a in handed]
+
+
 def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
           solutions: Path = REPO / "solutions", timeout: int | None = None, jobs: int = 1,
-          in_kernel: bool = False) -> list[Result]:
-    """Grade every student's notebooks with the sealed judge (`jobs` at a time); write the
-    CSVs, the graded notebooks, feedback and the report under `out`. With `in_kernel`, also
-    autograde each notebook the old way (nbgrader, in one kernel) and report where the two differ."""
+          in_kernel: bool = False, lessons: list[str] | None = None,
+          students: list[str] | None = None) -> list[Result]:
+    """Grade the students' notebooks with the sealed judge (`jobs` at a time): the lessons and
+    students asked, else every lesson someone handed in, for every student. Write the CSVs,
+    the graded notebooks, feedback and the report under `out` (what this run graded replaces
+    what an earlier one wrote of the same; the rest is kept), and the grades into nbgrader's
+    gradebook. With `in_kernel`, also autograde each notebook the old way (nbgrader, in one
+    kernel) and report where the two differ."""
     submissions, out = Path(submissions), Path(out or Path(root) / "grades")
     if not submissions.is_dir():
         raise SystemExit(f"{submissions} is not a folder of student folders")
@@ -331,22 +367,35 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
     unfinished = out / JOURNAL / "unfinished"
     resuming = unfinished.exists()  # the last run stopped before its end: keep what it graded
     if not resuming:
-        for folder in ("feedback", "graded", JOURNAL):
-            shutil.rmtree(out / folder, ignore_errors=True)
+        shutil.rmtree(out / JOURNAL, ignore_errors=True)
     (out / JOURNAL).mkdir(exist_ok=True)
-    unfinished.write_text("a grade run is under way, or stopped before its end: the next one resumes\n")
     log = logging.getLogger(f"autograde.{id(out)}")
     log.setLevel(logging.INFO)
-    handler = logging.FileHandler(out / "grading.log", mode="w")
+    handler = logging.FileHandler(out / "grading.log", mode="w", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
     log.addHandler(handler)
     notes: list[str] = []
     try:
         course = Course(root=root, solutions=solutions, timeout=timeout, log=log)
         course_id = course.config.CourseDirectory.course_id
         notes += gradebook.set_aside_foreign(course.root, course_id)  # before release() writes to it
-        released = course.release()
-        found, strays, found_notes = collect(submissions, list(released))
-        notes += found_notes
+        found, strays, found_notes = collect(submissions, course.assignments())
+        notes += found_notes + [line for (_, a), lines in strays.items() if a is None for line in lines]
+        chosen_students, chosen_lessons = choose(found, strays, course.assignments(), lessons, students)
+        log.info("grade %s: lessons %s; students %s; --jobs %d; out %s; course root %s", submissions,
+                 ", ".join(chosen_lessons) or "none", ", ".join(chosen_students) or "none", jobs, out, course.root)
+        for line in notes:
+            log.info("note: %s", line)
+        if not chosen_lessons or not chosen_students:
+            raise SystemExit(f"nothing to grade in {submissions}: no student folder holds a notebook named as a "
+                             f"lesson ({', '.join(course.assignments())}.ipynb)" + "".join(f"\nnote: {n}" for n in notes))
+        unfinished.write_text("a grade run is under way, or stopped before its end: the next one resumes\n")
+        released = course.release(chosen_lessons)
+        pairs = [(s, a) for s in chosen_students for a in chosen_lessons]
+        gone = set() if students else {(s, a) for s, a in previous_pairs(out) if s not in found and a in released}
+        if not resuming:
+            clear_outputs(out, set(pairs) | gone)
+
         guarded = [Path(parakit_dir()), course.solutions, *Path(HERE).glob("*.py")]
         kept = snapshot(guarded)
         unsealed = isolation.unavailable()
@@ -354,18 +403,20 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
             print(f"WARNING: these grades are NOT SEALED: {unsealed}. Students' code will run without the "
                   f"operating system's walls (namespaces, a filesystem view of its own, no new processes); "
                   f"grade as root on Linux for sealed grades. Every report line says so.", file=sys.stderr, flush=True)
+            log.info("NOT SEALED: %s", unsealed)
         scratch = tempfile.mkdtemp(prefix="parakit-grading-")
         hidden = [parakit_dir(), str(course.solutions), str(course.root), str(submissions.resolve()),
                   str(out.resolve()), scratch, *(str(REPO / d) for d in ("solutions", "autograde", "tests"))]
-        tasks = [Task(student, assignment, str(path) if path else None, str(course.solutions / f"{assignment}.ipynb"),
-                      str(released[assignment]), str(out), hidden, float(course.config.Execute.timeout),
-                      course_salt(course.root), scratch)
-                 for student, paths in found.items() for assignment, path in paths.items()]
+        tasks = [Task(student, assignment, str(found[student][assignment] or "") or None,
+                      str(course.solutions / f"{assignment}.ipynb"), str(released[assignment]), str(out), hidden,
+                      float(course.config.Execute.timeout), course_salt(course.root), scratch)
+                 for student, assignment in pairs]
 
         journal = {_key(task): out / JOURNAL / f"{fingerprint(task)}.json" for task in tasks}
         done = {key: load_result(path) for key, path in journal.items() if resuming and path.exists()}
         if done:
             print(f"resuming: {len(done)} of {len(tasks)} notebooks were graded by the run that stopped", flush=True)
+            log.info("resuming: %d of %d notebooks taken from the journal", len(done), len(tasks))
 
         def finished(result: Result) -> None:
             result.notes += strays.get((result.student, result.assignment), [])
@@ -378,6 +429,7 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
                 result.notes.append(f"NOT SEALED: {unsealed}")
             save_result(result, journal[(result.student, result.assignment)])
             print(report_line(result), flush=True)
+            log.info("%s", log_entry(result))
 
         try:
             fresh = iter(grade_all([t for t in tasks if _key(t) not in done], jobs, finished))
@@ -388,15 +440,48 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
             for result in results:
                 result.notes += compare_in_kernel(course, result, found, released)
         db_url = course.api.coursedir.db_url
-        notes += gradebook.drop_absent(db_url, course_id, course.root, list(released), set(found), submissions)
+        if not students:
+            notes += gradebook.drop_absent(db_url, course_id, course.root, chosen_lessons, set(found), submissions)
         gradebook.record(db_url, course_id, course.root, results, found, out / "graded",
                          {a: nbformat.read(p, as_version=4) for a, p in released.items()})
-        write_outputs(results, notes, out)
+        log.info("gradebook %s: %d submissions written", db_url, sum(r.status == "graded" for r in results))
+        summary = write_outputs(results, notes, out, keep=lambda s, a: (s, a) not in set(pairs) | gone)
+        log.info("%s", "\n".join(summary))
         unfinished.unlink()
         return results
     finally:
         log.removeHandler(handler)
         handler.close()
+
+
+def log_entry(r: Result) -> str:
+    """A notebook's lines in grading.log: its score and time, every test with the judge's whole
+    message, every note (the instructor's too)."""
+    lines = [f"{r.student} {r.assignment}: {r.score:g}/{r.max_score:g} ({r.status}) in {r.seconds:.1f} s"]
+    lines += [f"    {g} {s:g}/{m:g}" + (f": {r.messages[g]}" if g in r.messages else "")
+              for g, (s, m) in r.tests.items()]
+    return "\n".join(lines + [f"    note: {n}" for n in r.notes])
+
+
+def previous_pairs(out: Path) -> list[tuple[str, str]]:
+    """(student, assignment) of every row an earlier run left in out/grades.csv."""
+    return [(row["student"], row["assignment"]) for row in read_rows(out / "grades.csv")]
+
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def clear_outputs(out: Path, pairs) -> None:
+    """Remove what an earlier run wrote under `out` for these (student, assignment) pairs."""
+    for student, assignment in pairs:
+        for path in (out / "feedback" / student / f"{assignment}.html", out / "graded" / student / f"{assignment}.ipynb"):
+            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()  # when it was the student's last
 
 
 JOURNAL = "journal"  # under --out: one file per notebook, written as it is graded
@@ -463,35 +548,51 @@ UNGRADED_HTML = """<!DOCTYPE html>
 """
 
 
-def write_outputs(results: list[Result], notes: list[str], out: Path) -> None:
-    with open(out / "grades.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["student", "assignment", "score", "max_score", "status", "tests", "notes"])
-        for r in results:
-            w.writerow([r.student, r.assignment, f"{r.score:g}", f"{r.max_score:g}", r.status,
-                        "; ".join(f"{g} {s:g}/{m:g}" for g, (s, m) in r.tests.items()), " | ".join(r.notes)])
-    with open(out / "grades_by_test.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["student", "assignment", "test", "score", "max_score"])
-        for r in results:
-            for g, (s, m) in r.tests.items():
-                w.writerow([r.student, r.assignment, g, f"{s:g}", f"{m:g}"])
+def count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+CSV = {"grades.csv": ["student", "assignment", "score", "max_score", "status", "tests", "notes"],
+       "grades_by_test.csv": ["student", "assignment", "test", "score", "max_score"]}
+
+
+def csv_rows(r: Result) -> dict[str, list[list[str]]]:
+    return {"grades.csv": [[r.student, r.assignment, f"{r.score:g}", f"{r.max_score:g}", r.status,
+                            "; ".join(f"{g} {s:g}/{m:g}" for g, (s, m) in r.tests.items()), " | ".join(r.notes)]],
+            "grades_by_test.csv": [[r.student, r.assignment, g, f"{s:g}", f"{m:g}"] for g, (s, m) in r.tests.items()]}
+
+
+def write_outputs(results: list[Result], notes: list[str], out: Path, keep=lambda student, assignment: False) -> list[str]:
+    """The CSVs (this run's rows, and the rows an earlier run wrote that `keep` keeps), the
+    feedback of what could not be graded, and report.txt (this run only); return the summary."""
+    for name, header in CSV.items():
+        rows = [[row[k] for k in header] for row in read_rows(out / name) if keep(row["student"], row["assignment"])]
+        rows += [row for r in results for row in csv_rows(r)[name]]
+        with open(out / name, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(header)
+            w.writerows(sorted(rows, key=lambda row: (row[0], row[1])))
     for r in results:
         target = out / "feedback" / r.student / f"{r.assignment}.html"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(UNGRADED_HTML.format(
                 assignment=html.escape(r.assignment), score=f"{r.score:g}/{r.max_score:g}",
-                status=html.escape(r.status), notes="".join(f"<li>{html.escape(n)}</li>" for n in r.notes)))
-    summary = [f"{len({r.student for r in results})} students, {len(results)} notebooks: "
+                status=html.escape(r.status), notes="".join(f"<li>{html.escape(n)}</li>" for n in r.notes)),
+                encoding="utf-8")
+    lessons = sorted({r.assignment for r in results})
+    summary = [f"{count(len({r.student for r in results}), 'student')}, {count(len(results), 'notebook')} of "
+               f"{', '.join(lessons)}: "
                f"{sum(r.status == 'graded' for r in results)} graded, "
-               f"{sum(r.status != 'graded' for r in results)} could not be graded"]
+               f"{sum(r.status != 'graded' for r in results)} could not be graded "
+               f"({sum(r.status == 'missing' for r in results)} not handed in)"]
     summary += [f"note: {n}" for n in notes]
     summary += [f"grades: {out / 'grades.csv'} (per test: {out / 'grades_by_test.csv'})",
                 f"feedback: {out / 'feedback'} (graded notebooks: {out / 'graded'})",
                 f"log: {out / 'grading.log'}"]
-    (out / "report.txt").write_text("\n".join([report_line(r) for r in results] + summary) + "\n")
+    (out / "report.txt").write_text("\n".join([report_line(r) for r in results] + summary) + "\n", encoding="utf-8")
     print("\n".join(summary))
+    return summary
 
 
 # ---------------------------------------------------------------------------- command line
@@ -515,6 +616,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--root", type=Path, default=HERE, help="nbgrader course root (default: autograde/)")
     r.add_argument("--timeout", type=int, help="seconds per cell (default: nbgrader_config.py)")
     r.add_argument("--jobs", type=int, default=1, help="notebooks graded at once (default 1); same grades")
+    r.add_argument("--lesson", action="append", metavar="LESSON",
+                   help="grade this lesson only (03, 03_zero); again for more (default: every lesson handed in)")
+    r.add_argument("--student", action="append", metavar="STUDENT",
+                   help="grade this student only (their folder's name); again for more (default: every student)")
     r.add_argument("--in-kernel", action="store_true",
                    help="also autograde each notebook in one kernel with nbgrader and report where it differs")
     args = parser.parse_args(argv)
@@ -534,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(problems) if problems else "solutions pass, untouched lessons fail: ok")
         return 1 if problems else 0
     grade(args.submissions, out=args.out, root=args.root, solutions=args.solutions, timeout=args.timeout,
-          jobs=args.jobs, in_kernel=args.in_kernel)
+          jobs=args.jobs, in_kernel=args.in_kernel, lessons=args.lesson, students=args.student)
     return 0
 
 

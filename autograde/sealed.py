@@ -12,6 +12,7 @@ import html
 import json
 import os
 import secrets
+import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -34,6 +35,7 @@ class Result:
     tests: dict[str, tuple[float, float]] = field(default_factory=dict)   # grade_id -> (score, max)
     notes: list[str] = field(default_factory=list)
     messages: dict[str, str] = field(default_factory=dict)               # grade_id -> why it failed
+    seconds: float = 0.0                                                  # how long grading it took
 
 
 @dataclass
@@ -96,6 +98,13 @@ def _close_judges() -> None:
 
 
 def grade_task(task: Task) -> Result:
+    start = time.monotonic()
+    result = _grade_task(task)
+    result.seconds = time.monotonic() - start
+    return result
+
+
+def _grade_task(task: Task) -> Result:
     released = nbformat.read(task.released, as_version=4)
     points = {m["grade_id"]: float(m.get("points", 0)) for m in map(_meta, released.cells) if m.get("grade")}
     result = Result(task.student, task.assignment, sum(points.values()),

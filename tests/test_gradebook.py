@@ -27,7 +27,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbgrader.api import Gradebook
+from nbgrader.api import Gradebook, SubmittedAssignment
 
 import panel
 from conftest import REPO
@@ -273,3 +273,76 @@ def test_a_gradebook_of_another_course_is_moved_aside_in_one_line(course, tmp_pa
     with Gradebook(f"sqlite:///{root}/gradebook.db", "parakit") as gb:
         assert [s.id for s in gb.students] == ["alice"]
         assert gb.find_submission("toy", "alice").score == 5.0
+
+
+# ---------------------------------------------------------------------------- one lesson, one student
+
+@pytest.fixture(scope="module")
+def two_lessons(tmp_path_factory) -> Course:
+    """A course of two lessons, 00_toy and 01_toy (the toy twice)."""
+    tmp = tmp_path_factory.mktemp("two")
+    for name in ("parakit", "autograde"):
+        shutil.copytree(REPO / name, tmp / "code" / name, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp / "solutions").mkdir()
+    for name in ("00_toy", "01_toy"):
+        shutil.copyfile(FIXTURES / "toy.ipynb", tmp / "solutions" / f"{name}.ipynb")
+    course = Course(tmp / "code", tmp / "solutions", tmp / "lessons", tmp / "course", tmp / "out")
+    assert run_course(course, "generate", "--lessons", str(course.lessons)).returncode == 0
+    return course
+
+
+def hand_in_lessons(folder: Path, course: Course, work: dict[str, list[str]]) -> Path:
+    """Each student hands in the full solution of the lessons listed."""
+    shutil.rmtree(folder, ignore_errors=True)
+    full = panel.full_solution(panel.load(course.lessons / "00_toy.ipynb"), panel.load(FIXTURES / "toy.ipynb"))
+    for student, lessons in work.items():
+        (folder / student).mkdir(parents=True)
+        for lesson in lessons:
+            nbformat.write(full, str(folder / student / f"{lesson}.ipynb"))
+    return folder
+
+
+def summary(run: subprocess.CompletedProcess) -> str:
+    return next(line for line in run.stdout.splitlines() if " of " in line and "could not be graded" in line)
+
+
+def rows(course: Course) -> set[tuple[str, str, str]]:
+    with open(course.out / "grades.csv") as f:
+        return {(row["student"], row["assignment"], row["status"]) for row in csv.DictReader(f)}
+
+
+def test_grade_counts_only_what_was_handed_in_or_asked_for(two_lessons):
+    course, folder = two_lessons, two_lessons.root.parent / "class"
+    # everyone handed in 00 only: 01 is not graded, nobody is 'missing' it
+    run = grade(course, hand_in_lessons(folder, course, {"alice": ["00_toy"], "bob": ["00_toy"]}))
+    assert summary(run) == "2 students, 2 notebooks of 00_toy: 2 graded, 0 could not be graded (0 not handed in)"
+    assert "01_toy" not in run.stdout
+    # alice hands in 01 too; --lesson 01 grades 01 alone, and keeps 00's rows and pages
+    run = grade(course, hand_in_lessons(folder, course, {"alice": ["00_toy", "01_toy"], "bob": ["00_toy"]}),
+                "--lesson", "01")
+    assert summary(run) == "2 students, 2 notebooks of 01_toy: 1 graded, 1 could not be graded (1 not handed in)"
+    assert rows(course) == {("alice", "00_toy", "graded"), ("bob", "00_toy", "graded"),
+                            ("alice", "01_toy", "graded"), ("bob", "01_toy", "missing")}
+    assert (course.out / "feedback" / "bob" / "00_toy.html").exists()
+    # --student bob: his lessons only (the one he handed in), everyone else's rows kept
+    run = grade(course, folder, "--student", "bob")
+    assert summary(run) == "1 student, 1 notebook of 00_toy: 1 graded, 0 could not be graded (0 not handed in)"
+    assert len(rows(course)) == 4
+    with Gradebook(f"sqlite:///{course.root}/gradebook.db", "parakit") as gb:
+        assert {(s.student.id, s.assignment.name): s.score for s in gb.db.query(SubmittedAssignment)} == {
+            ("alice", "00_toy"): 5.0, ("bob", "00_toy"): 5.0, ("alice", "01_toy"): 5.0}
+    log = (course.out / "grading.log").read_text()
+    assert "lessons 00_toy; students bob; --jobs 1" in log
+    assert "bob 00_toy: 5/5 (graded) in " in log and "    test_mean 2/2" in log
+    assert "gradebook sqlite:///" in log and "1 student, 1 notebook of 00_toy" in log
+
+
+def test_an_unknown_lesson_or_student_is_said_and_nothing_graded(two_lessons):
+    course, folder = two_lessons, two_lessons.root.parent / "class-unknown"
+    hand_in_lessons(folder, course, {"alice": ["00_toy"]})
+    run = run_course(course, "grade", str(folder), "--root", str(course.root), "--out", str(folder) + "-out",
+                     "--lesson", "07")
+    assert run.returncode != 0 and "--lesson 07: no such lesson; the lessons are 00_toy, 01_toy" in run.stderr
+    run = run_course(course, "grade", str(folder), "--root", str(course.root), "--out", str(folder) + "-out",
+                     "--student", "mallory")
+    assert run.returncode != 0 and "--student mallory: no such student folder; the students are alice" in run.stderr
