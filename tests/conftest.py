@@ -109,3 +109,16 @@ def read_until(process: subprocess.Popen, prefix: str, seen: list[str], timeout:
         if line.startswith(prefix):
             return line
     raise AssertionError(f"the script never printed a line starting {prefix!r}; it printed:\n" + "".join(seen))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line on the GPU suite (tests/test_gpu.py): how many gpu-marked tests were skipped, and why."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "gpu" in getattr(r, "keywords", {})]
+    if skipped:
+        import re
+        import torch
+        gpus = torch.cuda.device_count()
+        wanted = sorted({int(n) for r in skipped for n in re.findall(r"needs (\d+) CUDA GPU", str(r.longrepr))})
+        needing = f" (they need {wanted[0]}{f' to {wanted[-1]}' if len(wanted) > 1 else ''})" if wanted else ""
+        terminalreporter.write_line(f"gpu: {len(skipped)} tests skipped{needing}: this machine has {gpus} CUDA "
+                                    f"GPU{'' if gpus == 1 else 's'}; run `.venv/bin/python -m pytest -m gpu` on a GPU box")
