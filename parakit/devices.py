@@ -206,9 +206,11 @@ class MemoryMeter:
         return [self.peak[d.index] for d in self.devices]
 
     def place(self, tensors, device_index: int) -> None:
-        """Count these tensors' storages on a device (once; a storage already placed stays)."""
+        """Count these tensors' storages on a device (once; a storage already placed stays):
+        on logical devices, a GPU's tensors count too (a lesson measuring on CPU logical
+        devices while its ranks compute on GPUs)."""
         for t in tree_leaves(tensors):
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 self._count(t.untyped_storage(), device_index)
 
     def device_of(self, tensor: torch.Tensor) -> int | None:

@@ -392,7 +392,8 @@ with process_group():
     objects = [None, None]
     dist.all_gather_object(objects, dist.get_rank())
     world = dist.group.WORLD  # the emulated group: made eagerly on the rank's device (device_id was passed)
-    print(json.dumps([dist.get_rank(), dist.get_backend(), world.eager and str(world.device), x.tolist(), objects]))
+    with open(f"rank{dist.get_rank()}.json", "w") as out:  # the ranks' printed lines may interleave
+        json.dump([dist.get_rank(), dist.get_backend(), world.eager and str(world.device), x.tolist(), objects], out)
 """
 
 
@@ -402,5 +403,32 @@ def test_torchrun_jobs_join_on_their_local_rank_gpu_passed_as_device_id(tmp_path
                           cwd=tmp_path, env={**script_env(), "PARAKIT_EMULATE_GPUS": "2", "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    lines = sorted(json.loads(line) for line in done.stdout.splitlines() if line.startswith("["))
-    assert lines == [[rank, "fnccl", f"fgpu:{rank}", [3.0, 3.0], [0, 1]] for rank in range(2)]
+    found = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert found == [[rank, "fnccl", f"fgpu:{rank}", [3.0, 3.0], [0, 1]] for rank in range(2)]
+
+
+FREED = """
+import gc, json, time, weakref, torch, parakit, torch.distributed as dist
+from parakit import dp
+
+def gathered_then_dropped(shard):
+    gc.disable()  # freed by reference counting alone, as CUDA memory is, or not at all
+    full = torch.empty(2 * shard.numel(), device=shard.device)
+    dist.all_gather_into_tensor(full, shard)
+    alive = weakref.ref(full)
+    del full
+    for _ in range(100):  # the transfer thread may hold it a moment longer
+        if alive() is None:
+            break
+        time.sleep(0.01)
+    gc.enable()
+    with dp.MemoryMeter([torch.device("cpu", 0)]) as meter:  # a logical meter counts a GPU's tensors too
+        meter.place([shard], 0)
+    return alive() is None, meter.peaks()[0]
+
+print(json.dumps(parakit.launch(gathered_then_dropped, torch.randn(6), world_size=2)))
+"""
+
+
+def test_a_finished_collectives_tensors_die_with_their_last_reference_and_logical_meters_count_gpu_tensors(tmp_path):
+    assert run_emulated(tmp_path, FREED) == [[True, 24], [True, 24]]

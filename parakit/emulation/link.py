@@ -13,12 +13,13 @@ import os
 import pickle
 import queue
 import threading
+import weakref
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 
-from parakit.emulation.streams import Coordinator, Entry
+from parakit.emulation.streams import Coordinator, Entry, Item
 
 __all__ = ["EmulatedNCCLError", "LINK", "connect", "broken", "idle", "Op", "Work"]
 
@@ -80,6 +81,7 @@ class Op:
 
     def finish(self) -> None:
         self.link.pending.pop(self.entry.id, None)
+        self.runs = []  # the transfers, and the tensors they hold, go now: only the outputs stay, in the future
         self.done.set()
         if self.error is None:
             self.future.set_result(self.outputs)
@@ -161,10 +163,12 @@ class _Future(torch.futures.Future):
 
     def __init__(self, op: Op):
         super().__init__()
-        self.op = op
+        self.op = weakref.ref(op)  # no cycle: a finished operation's tensors die with its last reference
 
     def wait(self):
-        self.op.link.wait(self.op)
+        op = self.op()
+        if op is not None:
+            op.link.wait(op)
         return super().wait()
 
 
