@@ -62,6 +62,9 @@ found["memory"].append(torch.fgpu.memory_allocated(3) - before)
 found["pickled"] = str(pickle.loads(pickle.dumps(x)).device)
 import copy
 found["made_there"] = [str(copy.deepcopy(x).device), str(torch.UntypedStorage(8, device="fgpu:2").device)]
+g = torch.Generator("fgpu:1").manual_seed(0)
+found["generator"] = [isinstance(g, torch.Generator), torch.equal(torch.randn(3, generator=g, device="fgpu:1").cpu(),
+                                                                   torch.randn(3, generator=torch.Generator().manual_seed(0)))]
 with torch.autocast("fgpu", dtype=torch.bfloat16):
     m = torch.randn(4, 4, device="fgpu:1")
     found["autocast"] = [str((m @ m).dtype), str(m.softmax(-1).dtype), str((m + 1).dtype)]
@@ -89,6 +92,7 @@ def test_fgpu_tensors_refuse_to_mix_devices_as_cuda_does(tmp_path):
     assert found["pickled"] == "fgpu:1"
     assert found["under_a_mode"] == "fgpu:1"
     assert found["made_there"] == ["fgpu:1", "fgpu:2"]  # PyTorch would crash allocating there (no allocator)
+    assert found["generator"] == [True, True]  # an fgpu generator is a CPU one: fgpu draws from the CPU's
     assert found["autocast"] == ["torch.bfloat16", "torch.float32", "torch.float32", "torch.float32"]  # CUDA's rules
 
 

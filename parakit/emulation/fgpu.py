@@ -10,7 +10,7 @@ all tensors to be on the same device"; only 0-dim CPU tensors pass, as scalars, 
 `torch.fgpu` mirrors the part of `torch.cuda` the course uses: device_count,
 current_device, set_device, device, synchronize, memory_allocated, max_memory_allocated,
 reset_peak_memory_stats (every storage made on a device counts there until it dies).
-Random numbers on fgpu come from the CPU's generator. Backward runs in the thread that
+Random numbers on fgpu come from the CPU's generator (`torch.Generator("fgpu:i")` is one). Backward runs in the thread that
 calls it (autograd's per-device threads need a device count a Python backend cannot give).
 `torch.autocast("fgpu")` casts as CUDA's autocast does (`amp`).
 `.to("fgpu")` without an index means fgpu:0 (PyTorch asks a device guard that a Python
@@ -168,7 +168,21 @@ def install(count: int) -> None:
     torch.serialization.register_package(0, lambda storage: None, _load)
     _ORIGINAL_NEW[0] = torch.UntypedStorage.__new__
     torch.UntypedStorage.__new__ = _new_storage
+    torch.Generator = _Generator
     _state["installed"] = True
+
+
+class _AnyGenerator(type):
+    def __instancecheck__(cls, instance):
+        return isinstance(instance, torch._C.Generator)
+
+
+class _Generator(metaclass=_AnyGenerator):
+    """torch.Generator, where one made for fgpu is a CPU generator (fgpu draws from the CPU's;
+    PyTorch asks a Python backend for a generator of its own, which it cannot give)."""
+
+    def __new__(cls, device="cpu"):
+        return torch._C.Generator("cpu" if torch.device(device).type == NAME else device)
 
 
 _ORIGINAL_NEW = [None]  # torch.UntypedStorage's own constructor
