@@ -51,6 +51,7 @@ for name, bad in [("cpu", lambda: x + torch.ones(3)), ("other_index", lambda: x 
         found[name] = str(error)
 found["cpu_scalar"] = (x + torch.tensor(2.0)).cpu().tolist()
 found["cpu_indices"] = x[torch.tensor([0, 2])].device.type
+found["no_rows"] = list(torch.nn.Linear(4, 2).to("fgpu:1")(torch.empty(0, 4, device="fgpu:1")).shape)  # an idle expert
 w = torch.randn(3, 3, device="fgpu:2", requires_grad=True)
 (w ** 2).sum().backward()
 found["grad"] = [str(w.grad.device), torch.equal(w.grad.cpu(), 2 * w.detach().cpu())]
@@ -86,7 +87,7 @@ def test_fgpu_tensors_refuse_to_mix_devices_as_cuda_does(tmp_path):
     assert "Expected all tensors to be on the same device, but found at least two devices, fgpu:1 and cpu" in found["cpu"]
     assert "fgpu:1 and fgpu:2" in found["other_index"]
     assert "fgpu:4: invalid device ordinal: this box has 4 emulated GPUs" in found["no_such_device"]
-    assert found["cpu_scalar"] == [3.0, 3.0, 3.0] and found["cpu_indices"] == "fgpu"
+    assert found["cpu_scalar"] == [3.0, 3.0, 3.0] and found["cpu_indices"] == "fgpu" and found["no_rows"] == [0, 2]
     assert found["grad"] == ["fgpu:2", True]
     assert found["memory"] == [4000, 0]
     assert found["pickled"] == "fgpu:1"

@@ -276,8 +276,8 @@ class _Call:
     def _view(self, tensor):
         self._on(tensor.device.index)
         storage = tensor.untyped_storage()
-        if storage.nbytes() == 0:
-            view = torch.empty(0, dtype=tensor.dtype)  # a kernel may grow it: `update_inputs` takes the new memory
+        if storage.nbytes() == 0:  # no memory (no elements): a kernel may grow it, `update_inputs` takes the new memory
+            view = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype)
         else:
             ptr = storage.data_ptr()
             if ptr not in self.storages:
@@ -352,7 +352,7 @@ def cpu_view(tensor: torch.Tensor) -> torch.Tensor:
     """A CPU tensor on the same memory as fgpu `tensor` (valid while `tensor` lives)."""
     storage = tensor.untyped_storage()
     if storage.nbytes() == 0:
-        return torch.empty(tensor.shape, dtype=tensor.dtype)
+        return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype)
     return _bytes(storage).view(tensor.dtype).as_strided(tensor.size(), tensor.stride(), tensor.storage_offset())
 
 
