@@ -22,7 +22,6 @@ import csv
 import dataclasses
 import difflib
 import hashlib
-import html
 import json
 import logging
 import os
@@ -40,7 +39,7 @@ from nbgrader.coursedir import CourseDirectory
 from nbgrader.validator import Validator
 from traitlets.config.loader import PyFileConfigLoader
 
-from autograde import gradebook
+from autograde import feedback, gradebook
 from autograde.sealed import Result, Task, course_salt, grade_all, inspect_submission, read_submission, restore, snapshot
 from parakit.grading import isolation
 
@@ -380,7 +379,7 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
         course_id = course.config.CourseDirectory.course_id
         notes += gradebook.set_aside_foreign(course.root, course_id)  # before release() writes to it
         found, strays, found_notes = collect(submissions, course.assignments())
-        notes += found_notes + [line for (_, a), lines in strays.items() if a is None for line in lines]
+        notes += found_notes + [f"{s}/{line}" for (s, a), lines in strays.items() if a is None for line in lines]
         chosen_students, chosen_lessons = choose(found, strays, course.assignments(), lessons, students)
         log.info("grade %s: lessons %s; students %s; --jobs %d; out %s; course root %s", submissions,
                  ", ".join(chosen_lessons) or "none", ", ".join(chosen_students) or "none", jobs, out, course.root)
@@ -423,10 +422,10 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
             changed = restore(kept, guarded)
             if changed:  # the jail refuses such writes: this is the last line of defence
                 result.score, result.tests = 0.0, {g: (0.0, m) for g, (_, m) in result.tests.items()}
-                result.notes.append("the course's files changed while this was graded (restored, scored 0): "
-                                    + ", ".join(changed[:5]))
-            if unsealed and not any(n.startswith("NOT SEALED") for n in result.notes):
-                result.notes.append(f"NOT SEALED: {unsealed}")
+                result.private.append("the course's files changed while this was graded (restored, scored 0): "
+                                      + ", ".join(changed[:5]))
+            if unsealed and not any(n.startswith("NOT SEALED") for n in result.private):
+                result.private.append(f"NOT SEALED: {unsealed}")
             save_result(result, journal[(result.student, result.assignment)])
             print(report_line(result), flush=True)
             log.info("%s", log_entry(result))
@@ -438,7 +437,7 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
             shutil.rmtree(scratch, ignore_errors=True)
         if in_kernel:
             for result in results:
-                result.notes += compare_in_kernel(course, result, found, released)
+                result.private += compare_in_kernel(course, result, found, released)
         db_url = course.api.coursedir.db_url
         if not students:
             notes += gradebook.drop_absent(db_url, course_id, course.root, chosen_lessons, set(found), submissions)
@@ -460,7 +459,7 @@ def log_entry(r: Result) -> str:
     lines = [f"{r.student} {r.assignment}: {r.score:g}/{r.max_score:g} ({r.status}) in {r.seconds:.1f} s"]
     lines += [f"    {g} {s:g}/{m:g}" + (f": {r.messages[g]}" if g in r.messages else "")
               for g, (s, m) in r.tests.items()]
-    return "\n".join(lines + [f"    note: {n}" for n in r.notes])
+    return "\n".join(lines + [f"    note: {n}" for n in r.notes + r.private])
 
 
 def previous_pairs(out: Path) -> list[tuple[str, str]]:
@@ -537,15 +536,7 @@ def report_line(r: Result) -> str:
         head += f"  [{r.status}]"
     elif r.score < r.max_score:
         head += "  failed: " + ", ".join(g for g, (s, m) in r.tests.items() if s < m)
-    return head + "".join(f"\n    - {n}" for n in r.notes)
-
-
-UNGRADED_HTML = """<!DOCTYPE html>
-<html><head><meta charset="utf-8"><title>{assignment}: not graded</title></head>
-<body><h1>{assignment}: {score} ({status})</h1><ul>{notes}</ul>
-<p>Hand in the notebook as <code>{assignment}.ipynb</code>, saved from Jupyter, and ask for a regrade.</p>
-</body></html>
-"""
+    return head + "".join(f"\n    - {n}" for n in r.notes) + "".join(f"\n    ! {n}" for n in r.private)
 
 
 def count(n: int, noun: str) -> str:
@@ -558,7 +549,8 @@ CSV = {"grades.csv": ["student", "assignment", "score", "max_score", "status", "
 
 def csv_rows(r: Result) -> dict[str, list[list[str]]]:
     return {"grades.csv": [[r.student, r.assignment, f"{r.score:g}", f"{r.max_score:g}", r.status,
-                            "; ".join(f"{g} {s:g}/{m:g}" for g, (s, m) in r.tests.items()), " | ".join(r.notes)]],
+                            "; ".join(f"{g} {s:g}/{m:g}" for g, (s, m) in r.tests.items()),
+                            " | ".join(r.notes + r.private)]],
             "grades_by_test.csv": [[r.student, r.assignment, g, f"{s:g}", f"{m:g}"] for g, (s, m) in r.tests.items()]}
 
 
@@ -576,10 +568,7 @@ def write_outputs(results: list[Result], notes: list[str], out: Path, keep=lambd
         target = out / "feedback" / r.student / f"{r.assignment}.html"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(UNGRADED_HTML.format(
-                assignment=html.escape(r.assignment), score=f"{r.score:g}/{r.max_score:g}",
-                status=html.escape(r.status), notes="".join(f"<li>{html.escape(n)}</li>" for n in r.notes)),
-                encoding="utf-8")
+            target.write_text(feedback.page(r), encoding="utf-8")
     lessons = sorted({r.assignment for r in results})
     summary = [f"{count(len({r.student for r in results}), 'student')}, {count(len(results), 'notebook')} of "
                f"{', '.join(lessons)}: "

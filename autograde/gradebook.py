@@ -81,7 +81,8 @@ def record(db_url: str, course_id: str, root: Path, results, found: dict, graded
                 continue
             path = Path(found[r.student][r.assignment])
             stamp = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc)
-            for step, source in (("submitted", path), ("autograded", graded / r.student / f"{r.assignment}.ipynb")):
+            verdicts = graded / r.student / f"{r.assignment}.ipynb"  # the hand-in where it could not be written
+            for step, source in (("submitted", path), ("autograded", verdicts if verdicts.exists() else path)):
                 folder = Path(root) / step / r.student / r.assignment
                 folder.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(source, folder / f"{r.assignment}.ipynb")

@@ -8,7 +8,6 @@ the reference's results for the class's (secretly seeded, shared) inputs are com
 """
 from __future__ import annotations
 
-import html
 import json
 import os
 import secrets
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import nbformat
 from nbgrader import utils as nbg_utils
+
+from autograde import feedback
 
 __all__ = ["Result", "Task", "grade_all", "read_submission", "inspect_submission", "course_salt"]
 
@@ -33,9 +34,10 @@ class Result:
     score: float = 0.0
     status: str = "graded"               # graded | missing | not a notebook
     tests: dict[str, tuple[float, float]] = field(default_factory=dict)   # grade_id -> (score, max)
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)                      # for the student and the instructor
     messages: dict[str, str] = field(default_factory=dict)               # grade_id -> why it failed
     seconds: float = 0.0                                                  # how long grading it took
+    private: list[str] = field(default_factory=list)   # the instructor's only: copy, tamper and unsealed flags
 
 
 @dataclass
@@ -127,9 +129,21 @@ def _grade_task(task: Task) -> Result:
         if v.message:
             result.messages[v.grade_id] = v.message
     result.score = sum(s for s, _ in result.tests.values())
-    result.notes += notes + kernel_disagreements(nb, result)
-    write_graded(task, nb, result)
+    public, private = split_private(notes)
+    result.notes += public
+    result.private += private + kernel_disagreements(nb, result)
+    write_graded(task, nb, result, released)
     return result
+
+
+PRIVATE = ("copied? (reported, not scored)", "NOT SEALED")  # the judge's flags that are the instructor's alone
+
+
+def split_private(notes: list[str]) -> tuple[list[str], list[str]]:
+    """The judge's notes for the student, and those for the instructor only (the copy flag,
+    an unsealed run)."""
+    private = [n for n in notes if any(mark in n for mark in PRIVATE)]
+    return [n for n in notes if n not in private], private
 
 
 def _meta(cell) -> dict:
@@ -193,7 +207,7 @@ def inspect_submission(nb, released) -> list[str]:
     return notes
 
 
-def write_graded(task: Task, nb, result: Result) -> None:
+def write_graded(task: Task, nb, result: Result, released) -> None:
     """The notebook as graded (test cells as the instructor wrote them, hidden tests
     included, each followed by its verdict) and the feedback page, under task.out."""
     solution = {(_meta(c).get("grade_id")): c for c in nbformat.read(task.solution, as_version=4).cells}
@@ -209,19 +223,8 @@ def write_graded(task: Task, nb, result: Result) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     nbformat.write(graded, str(folder / f"{task.assignment}.ipynb"))
     (Path(task.out) / "feedback" / task.student).mkdir(parents=True, exist_ok=True)
-    (Path(task.out) / "feedback" / task.student / f"{task.assignment}.html").write_text(feedback_html(result))
-
-
-def feedback_html(r: Result) -> str:
-    rows = "".join(
-        f"<tr><td>{html.escape(g)}</td><td>{s:g}/{m:g}</td><td><pre>{html.escape(r.messages.get(g, 'passed'))}</pre>"
-        f"</td></tr>" for g, (s, m) in r.tests.items())
-    notes = "".join(f"<li>{html.escape(n)}</li>" for n in r.notes)
-    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(r.assignment)}</title></head>"
-            f"<body><h1>{html.escape(r.assignment)}: {r.score:g}/{r.max_score:g} ({html.escape(r.status)})</h1>"
-            f"<table><tr><th>test</th><th>points</th><th>result</th></tr>{rows}</table><ul>{notes}</ul>"
-            f"<p>Each test ran your functions on fresh processes against the reference, on inputs drawn "
-            f"for grading.</p></body></html>\n")
+    (Path(task.out) / "feedback" / task.student / f"{task.assignment}.html").write_text(
+        feedback.page(result, released), encoding="utf-8")
 
 
 def snapshot(paths: list[Path]) -> dict[Path, bytes]:

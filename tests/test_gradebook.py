@@ -255,26 +255,6 @@ def test_regrading_replaces_scores_keeps_manual_comments_and_drops_a_student_gon
         assert not (course.root / step / "carol").exists() or not any((course.root / step / "carol").iterdir())
 
 
-def test_a_gradebook_of_another_course_is_moved_aside_in_one_line(course, tmp_path):
-    other = tmp_path / "other"
-    with Gradebook(f"sqlite:///{other}.db", "ml101") as gb:
-        gb.add_assignment("hw1")
-        gb.add_student("zed")
-    root = tmp_path / "course"
-    root.mkdir()
-    shutil.copyfile(f"{other}.db", root / "gradebook.db")
-    run = run_course(course, "grade", str(hand_in(tmp_path / "class", {"alice": toy_students(course)["alice"]})),
-                     "--root", str(root), "--out", str(tmp_path / "out"), "--timeout", "60")
-    assert run.returncode == 0, run.stdout + run.stderr
-    [line] = [l for l in run.stdout.splitlines() if "gradebook.db belongs to another course" in l]
-    assert "(ml101; assignments hw1): moved to gradebook.db." in line
-    [aside] = root.glob("gradebook.db.*.old")
-    assert aside.read_bytes() == Path(f"{other}.db").read_bytes()
-    with Gradebook(f"sqlite:///{root}/gradebook.db", "parakit") as gb:
-        assert [s.id for s in gb.students] == ["alice"]
-        assert gb.find_submission("toy", "alice").score == 5.0
-
-
 # ---------------------------------------------------------------------------- one lesson, one student
 
 @pytest.fixture(scope="module")
@@ -346,3 +326,94 @@ def test_an_unknown_lesson_or_student_is_said_and_nothing_graded(two_lessons):
     run = run_course(course, "grade", str(folder), "--root", str(course.root), "--out", str(folder) + "-out",
                      "--student", "mallory")
     assert run.returncode != 0 and "--student mallory: no such student folder; the students are alice" in run.stderr
+
+
+# ---------------------------------------------------------------------------- feedback and bad input
+
+def test_feedback_says_each_test_its_points_and_why_and_never_the_instructors_flags():
+    from autograde.feedback import page
+    from autograde.sealed import Result, split_private
+    copied = "add: close to the reference's code (similarity 0.93): copied? (reported, not scored)"
+    public, private = split_private(["add: the answer cell does not define add (expected def add(a, b))", copied,
+                                     "NOT SEALED: not root"])
+    assert private == [copied, "NOT SEALED: not root"]
+    r = Result("carol", "toy", 5.0, 1.0, tests={"test_add": (0.0, 1.0), "test_add_hidden": (0.0, 2.0),
+                                                "test_mean": (1.0, 2.0)},
+               messages={"test_add": "AssertionError: add(1, 2): raised NotImplementedError: ",
+                         "test_add_hidden": "AssertionError: add(0, 0): raised ValueError: "},
+               notes=public, private=private + ["test_add: passed in the submitted notebook's own run but fails"])
+    html = page(r, panel.load(FIXTURES / "toy.ipynb"))
+    assert "<style>" in html and "<h2>Exercise <code>add</code></h2>" in html and "<h2>Exercise <code>mean</code>" in html
+    assert ">0/1<" in html and ">0/2<" in html and ">1/2<" in html
+    assert "raised NotImplementedError: the answer cell still holds the stub; replace `raise NotImplementedError()`" in html
+    assert "raised ValueError (with no message)" in html
+    assert "failed, and the check gave no reason: ask your instructor" in html  # test_mean: no message
+    assert "does not define add" in html
+    for flag in ("copied?", "NOT SEALED", "own run"):
+        assert flag not in html
+    for empty in ("<pre></pre>", "<ul></ul>", "<ul class=\"notes\"></ul>", "<td></td>"):
+        assert empty not in html
+    missing = page(Result("erin", "toy", 5.0, status="missing", notes=["no toy.ipynb submitted"]))
+    assert "no <code>toy.ipynb</code> was handed in" in missing and "<table>" not in missing
+
+
+def executed(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """A copy whose test cells look run without an error: what a notebook that patched its
+    checks in its own kernel saves."""
+    nb = nbformat.from_dict(json.loads(json.dumps(nb)))
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            cell.execution_count, cell.outputs = i + 1, []
+    return nb
+
+
+def test_bad_input_gets_one_clear_line_each_and_the_rest_is_graded(course, tmp_path):
+    """A folder with a space, one with letters beyond ASCII, one with a tab (unusable), a corrupt
+    notebook, a notebook of an unknown name, a tampered notebook, and another course's gradebook
+    in the course root: one line each, and everyone else graded."""
+    students = toy_students(course)
+    folder = hand_in(tmp_path / "class", {"alice": students["alice"], "ann lee": students["alice"],
+                                          "zoë": students["bob"], "frank": executed(students["carol"])})
+    (folder / "dave").mkdir()
+    (folder / "dave" / "toy.ipynb").write_text('{"cells": [')
+    (folder / "erin").mkdir()
+    nbformat.write(students["alice"], str(folder / "erin" / "99_unknown.ipynb"))
+    (folder / "tab\there").mkdir()
+    nbformat.write(students["alice"], str(folder / "tab\there" / "toy.ipynb"))
+    other, root = tmp_path / "other.db", tmp_path / "course"
+    with Gradebook(f"sqlite:///{other}", "ml101") as gb:
+        gb.add_assignment("hw1")
+        gb.add_student("zed")
+    root.mkdir()
+    shutil.copyfile(other, root / "gradebook.db")
+    out = tmp_path / "out"
+    run = run_course(course, "grade", str(folder), "--root", str(root), "--out", str(out), "--timeout", "60")
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = (out / "report.txt").read_text()
+
+    def lines_with(text: str) -> list[str]:
+        return [line for line in report.splitlines() if text in line]
+
+    assert len(lines_with("'ann lee': graded under this id, which has a space")) == 1
+    assert len(lines_with("'zoë': graded under this id, which has letters beyond ASCII")) == 1
+    assert len(lines_with("'tab\\there': not usable as a student id")) == 1
+    assert len(lines_with("toy.ipynb: not a notebook (invalid JSON")) == 1
+    assert len(lines_with("erin/99_unknown.ipynb does not match any assignment; expected one of toy.ipynb")) == 1
+    assert len(lines_with("belongs to another course (ml101; assignments hw1): moved to gradebook.db.")) == 1
+    assert len(lines_with("passed in the submitted notebook's own run but fails in the sealed grade")) == 3  # frank
+    [aside] = root.glob("gradebook.db.*.old")
+    assert aside.read_bytes() == other.read_bytes()
+    with open(out / "grades.csv", encoding="utf-8") as f:
+        got = {row["student"]: (row["status"], float(row["score"])) for row in csv.DictReader(f)}
+    assert got == {"alice": ("graded", 5.0), "ann lee": ("graded", 5.0), "zoë": ("graded", 3.0),
+                   "frank": ("graded", 0.0), "dave": ("not a notebook", 0.0), "erin": ("missing", 0.0)}
+    with Gradebook(f"sqlite:///{root}/gradebook.db", "parakit") as gb:
+        assert {s.student.id: s.score for s in gb.db.query(SubmittedAssignment)} == {
+            "alice": 5.0, "ann lee": 5.0, "zoë": 3.0, "frank": 0.0}
+        assert sorted(s.id for s in gb.students) == sorted(got)
+    zoe = (out / "feedback" / "zoë" / "toy.html").read_text(encoding="utf-8")
+    assert "mean([1, 2, 3],): returned a int, expected a float" in zoe and "<style>" in zoe
+    frank = (out / "feedback" / "frank" / "toy.html").read_text(encoding="utf-8")
+    assert "own run" not in frank and "the answer cell still holds the stub" in frank
+    dave = (out / "feedback" / "dave" / "toy.html").read_text(encoding="utf-8")
+    assert "could not be read" in dave and "invalid JSON" in dave
