@@ -322,3 +322,35 @@ def test_what_only_a_forbidden_function_uses_is_withheld_with_it(runner):
                          forbid={checkpoint.checkpoint_sequential: "write it"})
     finally:
         student.close()
+
+
+def answer_code_left(n):
+    """The code objects of checkpoint_sequential and _chain that anything in this process still
+    reaches (as a constant, a function's code, a frame's)."""
+    import gc
+    names = {"checkpoint_sequential", "_chain"}
+    found = set()
+    for obj in gc.get_objects():
+        for ref in [obj, *gc.get_referents(obj)]:
+            if type(ref).__name__ == "code" and ref.co_name in names and ref.co_filename.endswith("parakit/checkpoint.py"):
+                found.add(id(ref))
+    return len(found)
+
+
+def nothing_left(n):
+    return 0
+
+
+def test_in_a_students_rank_the_withheld_answers_code_is_gone_from_memory(runner):
+    """Withheld means absent: in the student's rank no object reaches the bytecode of the
+    forbidden function or of what only it uses (a rank without the withholding reaches both)."""
+    from parakit import checkpoint
+    from parakit.grading.judge import Sealed
+    assert answer_code_left(0) >= 2  # here, where nothing is withheld: both found
+    student = Runner(JudgeConfig())
+    try:
+        sealed = Sealed(runner, student, [], [], {}, [])
+        sealed.check(answer_code_left, nothing_left, lambda r: (0,), world_sizes=(1,), trials=1,
+                     forbid={checkpoint.checkpoint_sequential: "write it"})
+    finally:
+        student.close()
