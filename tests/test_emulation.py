@@ -61,6 +61,13 @@ found["memory"] = [torch.fgpu.memory_allocated(3) - before]
 del y
 found["memory"].append(torch.fgpu.memory_allocated(3) - before)
 found["pickled"] = str(pickle.loads(pickle.dumps(x)).device)
+w = torch.arange(250.0, device="fgpu:3")  # 1,000 bytes, freed and taken back as FSDP does
+before = torch.fgpu.memory_allocated(3)
+w.untyped_storage().resize_(0)
+found["resized"] = [torch.fgpu.memory_allocated(3) - before]
+w.untyped_storage().resize_(1000)
+w.copy_(torch.ones(250))
+found["resized"] += [torch.fgpu.memory_allocated(3) - before, w.sum().item()]
 import copy
 found["made_there"] = [str(copy.deepcopy(x).device), str(torch.UntypedStorage(8, device="fgpu:2").device)]
 g = torch.Generator("fgpu:1").manual_seed(0)
@@ -91,6 +98,7 @@ def test_fgpu_tensors_refuse_to_mix_devices_as_cuda_does(tmp_path):
     assert found["grad"] == ["fgpu:2", True]
     assert found["memory"] == [4000, 0]
     assert found["pickled"] == "fgpu:1"
+    assert found["resized"] == [-1000, 0, 250.0]
     assert found["under_a_mode"] == "fgpu:1"
     assert found["made_there"] == ["fgpu:1", "fgpu:2"]  # PyTorch would crash allocating there (no allocator)
     assert found["generator"] == [True, True]  # an fgpu generator is a CPU one: fgpu draws from the CPU's

@@ -17,7 +17,7 @@ calls it (autograd's per-device threads need a device count a Python backend can
 backend cannot give), where factories (`torch.ones(2, device="fgpu")`) take the current
 device: write the index, as `parakit.device()` does. A storage made on fgpu
 (`torch.UntypedStorage(n, device="fgpu")`, as deepcopy and `storage.clone()` do) is made on
-the CPU and handed over (`_new_storage`); `storage.resize_` is not emulated.
+the CPU and handed over (`_new_storage`); `storage.resize_` trades memory (`_resize_storage`).
 """
 from __future__ import annotations
 
@@ -166,8 +166,8 @@ def install(count: int) -> None:
         _ATEN.impl(op, functools.partial(_kernel, op), "PrivateUse1")
     amp.install(NAME)
     torch.serialization.register_package(0, lambda storage: None, _load)
-    _ORIGINAL_NEW[0] = torch.UntypedStorage.__new__
-    torch.UntypedStorage.__new__ = _new_storage
+    _ORIGINAL.update(new=torch.UntypedStorage.__new__, resize_=torch.UntypedStorage.resize_)
+    torch.UntypedStorage.__new__, torch.UntypedStorage.resize_ = _new_storage, _resize_storage
     torch.Generator = _Generator
     _state["installed"] = True
 
@@ -185,16 +185,16 @@ class _Generator(metaclass=_AnyGenerator):
         return torch._C.Generator("cpu" if torch.device(device).type == NAME else device)
 
 
-_ORIGINAL_NEW = [None]  # torch.UntypedStorage's own constructor
+_ORIGINAL = {}  # torch.UntypedStorage's own __new__ and resize_
 
 
 def _new_storage(cls, *args, device=None, **kwargs):
     """torch.UntypedStorage(..., device="fgpu:i"): made on the CPU and owned on fgpu:i (a
     Python backend has no allocator of its own: PyTorch would crash making it there)."""
     if device is not None and torch.device(device).type == NAME:
-        return _storage_on(_ORIGINAL_NEW[0](cls, *args, **kwargs), _index(device))
-    return _ORIGINAL_NEW[0](cls, *args, **kwargs) if device is None else _ORIGINAL_NEW[0](cls, *args, device=device,
-                                                                                           **kwargs)
+        return _storage_on(_ORIGINAL["new"](cls, *args, **kwargs), _index(device))
+    return _ORIGINAL["new"](cls, *args, **kwargs) if device is None else _ORIGINAL["new"](cls, *args, device=device,
+                                                                                         **kwargs)
 
 
 def _cpu_ops():
@@ -388,18 +388,47 @@ def _on_fgpu(cpu: torch.Tensor, index: int) -> torch.Tensor:
 def _storage_on(storage: torch.UntypedStorage, index: int) -> torch.UntypedStorage:
     """An fgpu:index storage owning CPU `storage`'s memory, counted there until it dies."""
     owned = _on_fgpu(torch.empty(0, dtype=torch.uint8).set_(storage), index).untyped_storage()
-    nbytes = owned.nbytes()
-    with _lock:
-        counts = _memory.setdefault(index, [0, 0])
-        counts[0] += nbytes
-        counts[1] = max(counts[1], counts[0])
-    weakref.finalize(owned, _release, index, nbytes)
+    _held[owned._cdata] = [index, 0]
+    _recount(owned)
+    weakref.finalize(owned, _release, owned._cdata)
     return owned
 
 
-def _release(index: int, nbytes: int) -> None:
+_held: dict[int, list[int]] = {}  # an fgpu storage (its StorageImpl) -> [device index, the bytes it holds]
+
+
+def _recount(storage: torch.UntypedStorage) -> None:
+    """Count what `storage` holds now (it may have traded its memory: `_resize_storage`)."""
     with _lock:
+        entry = _held[storage._cdata]
+        counts = _memory.setdefault(entry[0], [0, 0])
+        counts[0] += storage.nbytes() - entry[1]
+        counts[1] = max(counts[1], counts[0])
+        entry[1] = storage.nbytes()
+
+
+def _release(key: int) -> None:
+    with _lock:
+        index, nbytes = _held.pop(key)
         _memory[index][0] -= nbytes
+
+
+def _resize_storage(storage: torch.UntypedStorage, nbytes: int):
+    """storage.resize_(n) on fgpu (FSDP frees a parameter's memory with resize_(0) and takes
+    it back with resize_(n)): the storage trades its memory for new memory of n bytes that
+    starts with its old bytes, as on CUDA; its tensors see the new memory."""
+    if storage.device.type != NAME:
+        return _ORIGINAL["resize_"](storage, nbytes)
+    index, kept = storage.device.index, min(nbytes, storage.nbytes())
+    grown = torch.zeros(nbytes, dtype=torch.uint8)
+    grown[:kept].copy_(_bytes(storage)[:kept])
+    trades = [_storage_on(torch.empty(0, dtype=torch.uint8).untyped_storage(), index),
+              _storage_on(grown.untyped_storage(), index)]  # takes the old memory away; brings the new
+    for other in trades if storage.nbytes() else trades[1:]:
+        storage._swap_data_ptr_(other)  # one of the two holds no bytes, as this call requires
+        _recount(other)
+    _recount(storage)
+    return storage
 
 
 def _tensor_on(storage: torch.UntypedStorage, like: torch.Tensor, index: int) -> torch.Tensor:
