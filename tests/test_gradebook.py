@@ -417,3 +417,22 @@ def test_bad_input_gets_one_clear_line_each_and_the_rest_is_graded(course, tmp_p
     assert "own run" not in frank and "the answer cell still holds the stub" in frank
     dave = (out / "feedback" / "dave" / "toy.html").read_text(encoding="utf-8")
     assert "could not be read" in dave and "invalid JSON" in dave
+
+
+def test_in_kernel_differences_are_reported_and_the_gradebook_keeps_the_sealed_score(course, tmp_path):
+    """--in-kernel also autogrades in one kernel, where mallory's answer cell switches the checks
+    off: 5/5 there, 2/5 sealed. The gradebook and the export hold 2; the report lists both tests
+    that differ (for the instructor: not in the feedback)."""
+    full = toy_students(course)["alice"]
+    cheat = "from parakit import grading\ngrading.check_local = lambda *a, **k: None\n\ndef add(a, b):\n    return a - b\n"
+    folder = hand_in(tmp_path / "class", {"mallory": panel.with_sources(full, {"add": cheat})})
+    root, out = tmp_path / "course", tmp_path / "out"
+    run = run_course(course, "grade", str(folder), "--root", str(root), "--out", str(out), "--timeout", "60",
+                     "--in-kernel")
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = (out / "report.txt").read_text()
+    for test in ("test_add", "test_add_hidden"):
+        assert f"! {test}: 1 in the kernel, 0 sealed" in report or f"! {test}: 2 in the kernel, 0 sealed" in report
+    with Gradebook(f"sqlite:///{root}/gradebook.db", "parakit") as gb:
+        assert gb.find_submission("toy", "mallory").score == 2.0
+    assert "in the kernel" not in (out / "feedback" / "mallory" / "toy.html").read_text()
