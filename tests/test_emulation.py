@@ -51,6 +51,11 @@ for name, bad in [("cpu", lambda: x + torch.ones(3)), ("other_index", lambda: x 
         found[name] = str(error)
 found["cpu_scalar"] = (x + torch.tensor(2.0)).cpu().tolist()
 found["cpu_indices"] = x[torch.tensor([0, 2])].device.type
+stream, event = torch.fgpu.Stream(priority=-1), torch.fgpu.Event()  # FSDP2's overlap, on one order: the host's
+event.record(stream)
+with torch.fgpu.stream(stream):
+    x.record_stream(stream)
+torch.fgpu.current_stream().wait_stream(stream)
 found["no_rows"] = list(torch.nn.Linear(4, 2).to("fgpu:1")(torch.empty(0, 4, device="fgpu:1")).shape)  # an idle expert
 w = torch.randn(3, 3, device="fgpu:2", requires_grad=True)
 (w ** 2).sum().backward()

@@ -89,6 +89,29 @@ def synchronize(device=None) -> None:
     """Nothing to wait for: every kernel has run when its call returns."""
 
 
+def Stream(device=None, priority: int = 0, **kwargs) -> torch.Stream:
+    """A stream on `device` (torch's generic one): every kernel runs at once, so every stream
+    is already done, and waiting on one, or on its events, returns at once."""
+    return torch.Stream(device=torch.device(NAME, _index(device)), priority=priority)
+
+
+def current_stream(device=None) -> torch.Stream:
+    return torch.Stream(device=torch.device(NAME, _index(device)))
+
+
+default_stream = current_stream
+
+
+@contextlib.contextmanager
+def stream(stream):
+    """`with torch.fgpu.stream(s):` runs the block as it is: fgpu has one order, the host's."""
+    yield
+
+
+def Event(enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> torch.Event:
+    return torch.Event(device=torch.device(NAME, current_device()), enable_timing=enable_timing)
+
+
 def memory_allocated(device=None) -> int:
     """Bytes of the storages alive on `device` (the current one by default)."""
     return _memory.get(_index(device), [0, 0])[0]
@@ -226,6 +249,8 @@ def _kernel(op, *args, **kwargs):
         return op.redispatch(_CPU_KEYS, *args, **kwargs)
     if op in _COPIES:
         return _copy(op, *args)
+    if op is _aten.record_stream.default:
+        return None  # one order, the host's: no stream outlives another
     if op is _aten.resize_.default:
         return _resize(*args, **kwargs)
     call = _Call(op)
