@@ -784,7 +784,7 @@ NOTEBOOKS = sorted((REPO / "solutions").glob("[0-9][0-9]_*.ipynb"))
 CELL_TIMEOUT = 300  # seconds: a bound on a hang, not a measure
 
 EXECUTE = """
-import json, sys
+import json, re, sys
 import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
@@ -792,15 +792,19 @@ from nbclient.exceptions import CellExecutionError
 path, folder, timeout = sys.argv[1], sys.argv[2], int(sys.argv[3])
 notebook = nbformat.read(path, as_version=4)
 client = NotebookClient(notebook, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": folder}})
+stopped = []
 try:
     client.execute()
 except CellExecutionError:
     pass  # the error is in the cell's outputs, read below
-errors = [f"cell {i} (execution {cell.get('execution_count')}): {out['ename']}: {out['evalue']}\\n"
-          + "\\n".join(out.get("traceback", []))
+except Exception as error:  # a cell past the timeout, a kernel that died
+    stopped = [f"execution stopped: {type(error).__name__}: {error}"]
+plain = lambda text: re.sub(r"\\x1b\\[[0-9;]*m", "", text)  # the traceback without its colours
+errors = [f"cell {i} (execution {cell.get('execution_count')}): {out['ename']}: {plain(out['evalue'])}\\n"
+          + plain("\\n".join(out.get("traceback", [])))[-3000:]
           for i, cell in enumerate(notebook.cells) for out in cell.get("outputs", [])
           if out.get("output_type") == "error" and "raises-exception" not in cell.metadata.get("tags", [])]
-print("ERRORS " + json.dumps(errors))
+print("ERRORS " + json.dumps(errors + stopped))
 """
 
 
@@ -820,4 +824,4 @@ def test_solution_notebook_runs_top_to_bottom_with_nccl(tmp_path, notebook):
     found = [line for line in done.stdout.splitlines() if line.startswith("ERRORS ")]
     assert done.returncode == 0 and found, done.stdout[-5000:] + done.stderr[-5000:]
     errors = json.loads(found[-1].removeprefix("ERRORS "))
-    assert not errors, f"{notebook.name} on {GPUS} GPU(s):\n" + "\n\n".join(e[-4000:] for e in errors)
+    assert not errors, f"{notebook.name} on {GPUS} GPU(s):\n" + "\n\n".join(errors)
