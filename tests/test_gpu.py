@@ -25,7 +25,6 @@ import shutil
 import subprocess
 import sys
 import typing
-from pathlib import Path
 
 import pytest
 import torch
