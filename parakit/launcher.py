@@ -45,7 +45,8 @@ import torch.multiprocessing as mp
 from parakit import _shm, _worker, emulation
 from parakit.devices import accelerator, device, resolve_backend, select_backend
 
-__all__ = ["launch", "device", "shutdown", "pool_generation", "LaunchError", "RankError", "RankDied", "CollectiveHang", "LaunchTimeout"]
+__all__ = ["launch", "device", "shutdown", "pool_generation", "LaunchError", "RankError", "RankDied", "CollectiveHang",
+           "LaunchTimeout", "EmulatedHang"]
 
 DEFAULT_TIMEOUT = 120.0
 HANG_GRACE = 1.5  # seconds every unfinished rank waits in a collective that cannot complete
@@ -78,6 +79,11 @@ class CollectiveHang(LaunchError):
 
 class LaunchTimeout(LaunchError, TimeoutError):
     """The call ran longer than its timeout."""
+
+
+class EmulatedHang(CollectiveHang, RankError):
+    """The emulated NCCL stopped ranks that NCCL would leave hanging (`parakit.emulation`):
+    a CollectiveHang, that the ranks raised."""
 
 
 def launch(fn, *args, world_size: int, backend: str = "auto", timeout: float = DEFAULT_TIMEOUT):
@@ -510,10 +516,10 @@ class _Call:
         return (RankDied if self.deaths else RankError)("\n".join(lines), failures)
 
 
-def _emulated_hang(failed: dict[int, tuple]) -> CollectiveHang:
+def _emulated_hang(failed: dict[int, tuple]) -> EmulatedHang:
     """The emulated NCCL's account of the hang (every stopped rank got the same one)."""
     text = next(iter(failed.values()))[1].rstrip().rsplit("EmulatedNCCLError: ", 1)[-1]
-    return CollectiveHang(f"{text}\nThe ranks were stopped; the next call starts them again.",
+    return EmulatedHang(f"{text}\nThe ranks were stopped; the next call starts them again.",
                           {rank: text for rank in failed})
 
 

@@ -342,8 +342,9 @@ for name, fn, n, backend in [("eager", ring_sends_first, 3, "nccl"), ("lazy", la
                              ("mismatched", mismatched, 2, "nccl")]:
     try:
         launcher.launch(fn, world_size=n, backend=backend, timeout=60)
-    except parakit.CollectiveHang as error:
-        found[name] = [str(error), launcher.pool_generation(n, "fnccl" if backend == "nccl" else backend)]
+    except parakit.CollectiveHang as error:  # and a RankError: the ranks raised it
+        found[name] = [str(error), launcher.pool_generation(n, "fnccl" if backend == "nccl" else backend),
+                       isinstance(error, parakit.RankError)]
 found["batched"] = [launcher.launch(batched_ring, world_size=n) for n in (3, 4)]
 print(json.dumps(found))
 """
@@ -351,13 +352,14 @@ print(json.dumps(found))
 
 def test_hangs_nccl_would_hang_in_stop_at_once_as_a_collective_hang_naming_ranks_and_order(tmp_path):
     found = run_emulated(tmp_path, HANGS)
-    eager, generation = found["eager"]
+    eager, generation, raised = found["eager"]
+    assert raised
     assert eager.startswith("emulated NCCL: rank") and eager.endswith("the next call starts them again.")
     for rank in range(3):
         assert (f"rank {rank}'s stream on group 0 runs, in order: send to rank {(rank + 1) % 3}" in eager
                 or f"rank {rank} waits for its send to rank {(rank + 1) % 3}" in eager)
     assert generation is None  # the hung world is stopped: the next call starts new ranks
-    lazy, _ = found["lazy"]
+    lazy, _, _ = found["lazy"]
     assert "waits to set up the communicator of group 1's pair" in lazy and "Pass device_id" in lazy
     assert found["mismatched"][0].startswith("collective mismatch on group 0: its call #1 is ")
     assert "all_reduce on rank 0" in found["mismatched"][0] and "broadcast on rank 1" in found["mismatched"][0]
