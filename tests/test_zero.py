@@ -578,14 +578,11 @@ print(json.dumps([parakit.launch(kept_after_forward, shard, x, keep, world_size=
 """
 
 
-@pytest.mark.xfail(strict=True, reason="issue #29 finding 7: devices.MemoryMeter.place counts only CPU storages, so "
-                                       "a logical meter sees no GPU tensor (a line in devices.py); and the emulated "
-                                       "NCCL keeps a finished all-gather's output alive (NCCL on an H200 freed it)")
 def test_on_the_emulated_gpu_box_lesson_03s_meter_sees_the_gathered_weight_a_forward_keeps(tmp_path):
     """Lesson 03's ZeRO-3 check counts the storages a forward leaves alive with a logical meter;
-    on GPUs it reads minus the output's bytes for a right forward and a wrong one alike (-80 B
-    here; -40 B on an H200 with NCCL), so the right answer fails: the 48 B full weight must
-    count while kept. With place() counting any memory on a logical meter: 0 on the H200."""
+    on GPUs it read minus the output's bytes for a right forward and a wrong one alike (-80 B
+    here; -40 B on an H200 with NCCL), so the right answer failed, until place() counted any
+    memory on a logical meter (0 on the H200). The 48 B full weight counts while kept."""
     import json
     from conftest import run_script
     done = run_script(tmp_path, "import os\nos.environ['PARAKIT_EMULATE_GPUS'] = '4'\n" + EMULATED_KEPT)
