@@ -16,6 +16,7 @@ on the host, and copies between logical devices are plain copies.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 from typing import Sequence
@@ -30,6 +31,7 @@ from parakit import emulation
 __all__ = ["device", "accelerator", "join", "resolve_backend", "select_backend", "resolve_devices", "MemoryMeter",
            "on_device", "where", "to_device", "copying_to", "current_meter"]
 
+BACKEND_ENV = "PARAKIT_BACKEND"  # what backend 'auto' means on a real machine, where set (resolve_backend)
 _local = threading.local()  # per thread: .meter (the MemoryMeter measuring), .target (a copy's device)
 if emulation.gpus() is not None:  # the emulated box: its GPUs exist from the first import of parakit
     emulation.install()
@@ -70,9 +72,16 @@ def join(backend: str, local_rank: int, gpus: int | None = None, **init_kwargs) 
 
 def resolve_backend(backend: str, world_size: int) -> str:
     """'auto' is NCCL when there is one GPU per rank (and NCCL is built in), else gloo; on the
-    emulated box NCCL is its "fnccl"."""
+    emulated box NCCL is its "fnccl". On a real machine PARAKIT_BACKEND, where set ("gloo" or
+    "nccl"), is what 'auto' means: the test suite pins gloo with it, so that its CPU tests
+    mean the same on a GPU host (the emulated box keeps its own rule)."""
     kind, gpus = accelerator()
     emulated = kind == emulation.DEVICE
+    pinned = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if pinned and str(backend).lower() == "auto" and not emulated:
+        if pinned not in ("gloo", "nccl"):
+            raise ValueError(f"{BACKEND_ENV}={pinned!r}: set it to 'gloo' or 'nccl' (what 'auto' means), or unset it")
+        backend = pinned
     asked = "nccl" if str(backend).lower() == emulation.BACKEND else backend
     if asked != backend and not emulated:
         raise ValueError(f"backend {backend!r} is the emulated NCCL: set {emulation.ENV}=N to emulate N GPUs, "

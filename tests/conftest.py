@@ -14,6 +14,9 @@ REPO = Path(__file__).resolve().parents[1]
 # The notebook kernels nbval starts inherit this: no frontend there, so widgets draw figures.
 os.environ.setdefault("PARAKIT_STATIC", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
+# The suite's tests mean gloo on the CPU: 'auto' resolves to gloo here and in every process they
+# start, on a GPU host too. The GPU suite (test_gpu.py) unsets it; the emulated box ignores it.
+os.environ.setdefault("PARAKIT_BACKEND", "gloo")
 
 
 def pid_alive(pid: int) -> bool:

@@ -59,6 +59,13 @@ GPUS = torch.cuda.device_count()
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def the_boxs_own_rule(monkeypatch):
+    """The rest of the suite pins 'auto' to gloo (conftest's PARAKIT_BACKEND); here 'auto' means
+    what it means on the GPU box, in this process and every one a test starts."""
+    monkeypatch.delenv("PARAKIT_BACKEND", raising=False)
+
+
 def needs(gpus: int):
     """Skip unless this machine has `gpus` CUDA GPUs (one per rank)."""
     return pytest.mark.skipif(GPUS < gpus, reason=f"needs {gpus} CUDA GPU{'s' if gpus > 1 else ''}, "

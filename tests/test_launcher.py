@@ -367,6 +367,21 @@ def test_nccl_with_too_few_gpus_or_without_nccl_is_refused_saying_why():
         launcher.select_backend("nccl", 2, 2, False)
 
 
+def test_parakit_backend_says_what_auto_means_on_a_gpu_host(monkeypatch):
+    """On a host with 4 GPUs and NCCL, 'auto' is NCCL; PARAKIT_BACKEND=gloo (the suite's own pin)
+    makes it gloo and leaves a backend asked by name alone; a wrong value is refused."""
+    from parakit import devices
+    monkeypatch.setattr(devices, "accelerator", lambda: ("cuda", 4))
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.delenv("PARAKIT_BACKEND")
+    assert devices.resolve_backend("auto", 4) == "nccl"
+    monkeypatch.setenv("PARAKIT_BACKEND", "gloo")
+    assert devices.resolve_backend("auto", 4) == "gloo" and devices.resolve_backend("nccl", 4) == "nccl"
+    monkeypatch.setenv("PARAKIT_BACKEND", "mpi")
+    with pytest.raises(ValueError, match=r"^PARAKIT_BACKEND='mpi': set it to 'gloo' or 'nccl'"):
+        devices.resolve_backend("auto", 2)
+
+
 @pytest.mark.parametrize("backend", ["mpi", "junk"])
 def test_unknown_backend_is_rejected_naming_the_supported_ones(backend):
     with pytest.raises(ValueError, match=f"backend '{backend}' is not supported: use 'auto', 'gloo' or 'nccl'"):
