@@ -1,17 +1,25 @@
 """The sealed grades in nbgrader's world: the formgrader of a JupyterLab opened as the README
 says, and the gradebook it shows.
 
-One class of three on the toy lesson (tests/fixtures/toy.ipynb, 5 points): alice hands in the
-full solution, bob a wrong `mean` (3 of 5), carol the lesson untouched (0). It is graded once
-(about a minute) by `python -m autograde.course grade` run on a copy of the code (the grader
-puts back any file of the code it runs that changes while it grades: an edit made meanwhile in
-the checkout would be undone). JupyterLab is started the README's way, with the course's
-configuration found through the environment (.ci/setup's .venv/etc/jupyter/nbgrader_config.py)
-and the venv's bin folder not on PATH.
+A course of two lessons, toy and 01_toy (both tests/fixtures/toy.ipynb, 5 points), and one
+class of three: alice hands in the full solution of toy, bob a wrong `mean` (3 of 5), carol the
+lesson untouched (0); nobody hands in 01_toy. Every run is `python -m autograde.course grade` on
+a copy of the code (the grader puts back any file of the code it runs that changes while it
+grades: an edit made meanwhile in the checkout would be undone), and each costs some 15 s of
+CPU however few notebooks it grades (imports, the judge's zygote, its reference), so the class is graded
+once and every test of that grading reads the same gradebook, report and log. The runs that
+test grading again follow one another, each in a copy of the course as the run before left it
+(its tests read it as that run left it): the class again (bob's full solution, carol gone),
+then `--lesson 01` (alice hands in 01_toy too), then `--student bob --in-kernel` (bob hands in
+an answer that switches the checks off in his kernel). Bad input is one run of its own.
+JupyterLab is started once, the README's way, with the course's configuration found through
+the environment (.ci/setup's .venv/etc/jupyter/nbgrader_config.py) and the venv's bin folder
+not on PATH.
 """
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import shutil
@@ -30,6 +38,7 @@ import pytest
 from nbgrader.api import Gradebook, SubmittedAssignment
 
 import panel
+from autograde.course import generate, main
 from conftest import REPO
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -41,10 +50,23 @@ os.environ["PATH"] = os.pathsep.join([BIN, os.environ.get("PATH", "")])  # this 
 @dataclass
 class Course:
     code: Path          # the copy of parakit and autograde the commands run
-    solutions: Path     # the toy's solution, alone
+    solutions: Path     # the toy's solution as toy and as 01_toy
     lessons: Path       # the toy as released
     root: Path          # nbgrader's course root: gradebook.db, submitted/, autograded/
     out: Path           # grades.csv, report.txt, feedback/
+
+    def copy(self, tmp: Path) -> "Course":
+        """This course as graded so far (course root and --out), in `tmp`: a run there leaves
+        this one as its tests read it."""
+        shutil.copytree(self.root, tmp / "course")
+        shutil.copytree(self.out, tmp / "out")
+        return dataclasses.replace(self, root=tmp / "course", out=tmp / "out")
+
+
+@dataclass
+class Graded:
+    course: Course                     # its course root and --out, as this run left them
+    run: subprocess.CompletedProcess   # its report printed
 
 
 def run_course(course: Course, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -80,21 +102,56 @@ def hand_in(folder: Path, notebooks: dict[str, nbformat.NotebookNode]) -> Path:
 
 @pytest.fixture(scope="module")
 def course(tmp_path_factory) -> Course:
+    """The two lessons, ungraded, the code copied and the lessons generated (in this process, as
+    tests/test_pipeline.py does: generating runs no student's code)."""
     tmp = tmp_path_factory.mktemp("gradebook")
     for name in ("parakit", "autograde"):
         shutil.copytree(REPO / name, tmp / "code" / name, ignore=shutil.ignore_patterns("__pycache__"))
     (tmp / "solutions").mkdir()
-    shutil.copyfile(FIXTURES / "toy.ipynb", tmp / "solutions" / "toy.ipynb")
+    for name in ("toy", "01_toy"):
+        shutil.copyfile(FIXTURES / "toy.ipynb", tmp / "solutions" / f"{name}.ipynb")
     course = Course(tmp / "code", tmp / "solutions", tmp / "lessons", tmp / "course", tmp / "out")
-    run = run_course(course, "generate", "--lessons", str(course.lessons))
-    assert run.returncode == 0, run.stdout + run.stderr
+    assert generate(course.lessons, course.solutions) == []
     return course
 
 
 @pytest.fixture(scope="module")
-def graded(course) -> subprocess.CompletedProcess:
+def graded(course) -> Graded:
     """The class of three, graded."""
-    return grade(course, hand_in(course.root.parent / "class", toy_students(course)))
+    return Graded(course, grade(course, hand_in(course.root.parent / "class", toy_students(course))))
+
+
+@pytest.fixture(scope="module")
+def regraded(graded, tmp_path_factory) -> Graded:
+    """The class graded again, in a copy of the course: bob hands in the full solution (a person
+    had written a comment on his submission) and carol's folder is gone."""
+    course = graded.course.copy(tmp_path_factory.mktemp("regraded"))
+    with Gradebook(f"sqlite:///{course.root}/gradebook.db", "parakit") as gb:
+        gb.find_comment("mean", "toy", "toy", "bob").manual_comment = "see me"
+        gb.db.commit()
+    full = toy_students(course)["alice"]
+    return Graded(course, grade(course, hand_in(course.root.parent / "class", {"alice": full, "bob": full})))
+
+
+@pytest.fixture(scope="module")
+def by_lesson(regraded, tmp_path_factory) -> Graded:
+    """Then alice hands in 01_toy too, and `--lesson 01` is graded, in a copy."""
+    course = regraded.course.copy(tmp_path_factory.mktemp("by_lesson"))
+    folder = hand_in_lessons(course.root.parent / "class", course, {"alice": ["toy", "01_toy"], "bob": ["toy"]})
+    return Graded(course, grade(course, folder, "--lesson", "01"))
+
+
+CHEAT = "from parakit import grading\ngrading.check_local = lambda *a, **k: None\n\ndef add(a, b):\n    return a - b\n"
+
+
+@pytest.fixture(scope="module")
+def by_student(by_lesson, tmp_path_factory) -> Graded:
+    """Then bob hands in toy again, an `add` that switches the checks off in his kernel (5/5
+    there, 2/5 sealed), and `--student bob --in-kernel` is graded, in a copy."""
+    course = by_lesson.course.copy(tmp_path_factory.mktemp("by_student"))
+    folder = hand_in_lessons(course.root.parent / "class", course, {"alice": ["toy", "01_toy"], "bob": ["toy"]})
+    nbformat.write(panel.with_sources(toy_students(course)["alice"], {"add": CHEAT}), str(folder / "bob" / "toy.ipynb"))
+    return Graded(course, grade(course, folder, "--student", "bob", "--in-kernel"))
 
 
 # ---------------------------------------------------------------------------- the formgrader
@@ -157,8 +214,10 @@ class Lab:
                 self.process.wait()
 
 
-@pytest.fixture(scope="module")
-def lab(course, graded, tmp_path_factory):
+@pytest.fixture
+def lab(graded, tmp_path_factory):
+    """Started once, for the one test that asks it, and stopped after it."""
+    course = graded.course
     server = Lab(course.root.parent, course.root, tmp_path_factory.mktemp("home"))
     yield server
     server.close()
@@ -188,7 +247,7 @@ def test_the_readme_jupyterlab_finds_the_course_config_and_keeps_the_gradebook_i
 SEALED = {"alice": 5.0, "bob": 3.0, "carol": 0.0}   # the class's sealed totals, of 5
 
 
-def test_the_formgrader_api_returns_the_sealed_scores(course, lab):
+def test_the_formgrader_api_returns_the_sealed_scores(lab):
     assert lab.get("/formgrader/api/status") == {"status": True}
     [toy] = lab.get("/formgrader/api/assignments")
     assert (toy["name"], toy["num_submissions"], toy["max_score"]) == ("toy", 3, 5.0)
@@ -232,19 +291,14 @@ def exported(course: Course) -> dict[str, tuple[float, float]]:
                 for row in csv.DictReader(f) if row["assignment"] == "toy"}
 
 
-def test_nbgrader_export_lists_the_sealed_totals(course, graded):
-    assert exported(course) == {s: (score, 5.0) for s, score in SEALED.items()}
+def test_nbgrader_export_lists_the_sealed_totals(graded):
+    assert exported(graded.course) == {s: (score, 5.0) for s, score in SEALED.items()}
 
 
-def test_regrading_replaces_scores_keeps_manual_comments_and_drops_a_student_gone(course, graded):
+def test_regrading_replaces_scores_keeps_manual_comments_and_drops_a_student_gone(regraded):
     """bob hands in the full solution and carol's folder is gone: bob 5/5 (a comment a person
     wrote on his submission kept), carol out of the gradebook, its files and the export, in one line."""
-    with Gradebook(f"sqlite:///{course.root}/gradebook.db", "parakit") as gb:
-        gb.find_comment("mean", "toy", "toy", "bob").manual_comment = "see me"
-        gb.db.commit()
-    students = toy_students(course)
-    run = grade(course, hand_in(course.root.parent / "class", {"alice": students["alice"],
-                                                              "bob": students["alice"]}))
+    course, run = regraded.course, regraded.run
     assert "carol: no folder in" in run.stdout and "removed from the gradebook toy (0/5)" in run.stdout
     assert exported(course) == {"alice": (5.0, 5.0), "bob": (5.0, 5.0)}
     with Gradebook(f"sqlite:///{course.root}/gradebook.db", "parakit") as gb:
@@ -257,24 +311,10 @@ def test_regrading_replaces_scores_keeps_manual_comments_and_drops_a_student_gon
 
 # ---------------------------------------------------------------------------- one lesson, one student
 
-@pytest.fixture(scope="module")
-def two_lessons(tmp_path_factory) -> Course:
-    """A course of two lessons, 00_toy and 01_toy (the toy twice)."""
-    tmp = tmp_path_factory.mktemp("two")
-    for name in ("parakit", "autograde"):
-        shutil.copytree(REPO / name, tmp / "code" / name, ignore=shutil.ignore_patterns("__pycache__"))
-    (tmp / "solutions").mkdir()
-    for name in ("00_toy", "01_toy"):
-        shutil.copyfile(FIXTURES / "toy.ipynb", tmp / "solutions" / f"{name}.ipynb")
-    course = Course(tmp / "code", tmp / "solutions", tmp / "lessons", tmp / "course", tmp / "out")
-    assert run_course(course, "generate", "--lessons", str(course.lessons)).returncode == 0
-    return course
-
-
 def hand_in_lessons(folder: Path, course: Course, work: dict[str, list[str]]) -> Path:
     """Each student hands in the full solution of the lessons listed."""
     shutil.rmtree(folder, ignore_errors=True)
-    full = panel.full_solution(panel.load(course.lessons / "00_toy.ipynb"), panel.load(FIXTURES / "toy.ipynb"))
+    full = toy_students(course)["alice"]
     for student, lessons in work.items():
         (folder / student).mkdir(parents=True)
         for lesson in lessons:
@@ -291,41 +331,42 @@ def rows(course: Course) -> set[tuple[str, str, str]]:
         return {(row["student"], row["assignment"], row["status"]) for row in csv.DictReader(f)}
 
 
-def test_grade_counts_only_what_was_handed_in_or_asked_for(two_lessons):
-    course, folder = two_lessons, two_lessons.root.parent / "class"
-    # everyone handed in 00 only: 01 is not graded, nobody is 'missing' it
-    run = grade(course, hand_in_lessons(folder, course, {"alice": ["00_toy"], "bob": ["00_toy"]}))
-    assert summary(run) == "2 students, 2 notebooks of 00_toy: 2 graded, 0 could not be graded (0 not handed in)"
+def test_grade_counts_only_what_was_handed_in_or_asked_for(graded, regraded, by_lesson, by_student):
+    # everyone handed in toy only, graded and graded again: 01 is not graded, nobody is 'missing' it
+    assert summary(graded.run) == "3 students, 3 notebooks of toy: 3 graded, 0 could not be graded (0 not handed in)"
+    assert "01_toy" not in graded.run.stdout
+    run = regraded.run
+    assert summary(run) == "2 students, 2 notebooks of toy: 2 graded, 0 could not be graded (0 not handed in)"
     assert "01_toy" not in run.stdout
-    # alice hands in 01 too; --lesson 01 grades 01 alone, and keeps 00's rows and pages
-    run = grade(course, hand_in_lessons(folder, course, {"alice": ["00_toy", "01_toy"], "bob": ["00_toy"]}),
-                "--lesson", "01")
+    # alice hands in 01 too; --lesson 01 grades 01 alone, and keeps toy's rows and pages
+    course, run = by_lesson.course, by_lesson.run
     assert summary(run) == "2 students, 2 notebooks of 01_toy: 1 graded, 1 could not be graded (1 not handed in)"
-    assert rows(course) == {("alice", "00_toy", "graded"), ("bob", "00_toy", "graded"),
+    assert rows(course) == {("alice", "toy", "graded"), ("bob", "toy", "graded"),
                             ("alice", "01_toy", "graded"), ("bob", "01_toy", "missing")}
-    assert (course.out / "feedback" / "bob" / "00_toy.html").exists()
-    # --student bob: his lessons only (the one he handed in), everyone else's rows kept
-    run = grade(course, folder, "--student", "bob")
-    assert summary(run) == "1 student, 1 notebook of 00_toy: 1 graded, 0 could not be graded (0 not handed in)"
+    assert (course.out / "feedback" / "bob" / "toy.html").exists()
+    # --student bob (a new toy, 2/5): his lessons only (the one he handed in), everyone else's rows kept
+    course, run = by_student.course, by_student.run
+    assert summary(run) == "1 student, 1 notebook of toy: 1 graded, 0 could not be graded (0 not handed in)"
     assert len(rows(course)) == 4
     with Gradebook(f"sqlite:///{course.root}/gradebook.db", "parakit") as gb:
         assert {(s.student.id, s.assignment.name): s.score for s in gb.db.query(SubmittedAssignment)} == {
-            ("alice", "00_toy"): 5.0, ("bob", "00_toy"): 5.0, ("alice", "01_toy"): 5.0}
+            ("alice", "toy"): 5.0, ("bob", "toy"): 2.0, ("alice", "01_toy"): 5.0}
     log = (course.out / "grading.log").read_text()
-    assert "lessons 00_toy; students bob; --jobs 1" in log
-    assert "bob 00_toy: 5/5 (graded) in " in log and "    test_mean 2/2" in log
-    assert "gradebook sqlite:///" in log and "1 student, 1 notebook of 00_toy" in log
+    assert "lessons toy; students bob; --jobs 1" in log
+    assert "bob toy: 2/5 (graded) in " in log and "    test_mean 2/2" in log
+    assert "gradebook sqlite:///" in log and "1 student, 1 notebook of toy" in log
 
 
-def test_an_unknown_lesson_or_student_is_said_and_nothing_graded(two_lessons):
-    course, folder = two_lessons, two_lessons.root.parent / "class-unknown"
-    hand_in_lessons(folder, course, {"alice": ["00_toy"]})
-    run = run_course(course, "grade", str(folder), "--root", str(course.root), "--out", str(folder) + "-out",
-                     "--lesson", "07")
-    assert run.returncode != 0 and "--lesson 07: no such lesson; the lessons are 00_toy, 01_toy" in run.stderr
-    run = run_course(course, "grade", str(folder), "--root", str(course.root), "--out", str(folder) + "-out",
-                     "--student", "mallory")
-    assert run.returncode != 0 and "--student mallory: no such student folder; the students are alice" in run.stderr
+def test_an_unknown_lesson_or_student_is_said_and_nothing_graded(course, tmp_path):
+    """Said before anything is graded, so the command runs in this process (on the checkout)."""
+    folder, root = hand_in_lessons(tmp_path / "class", course, {"alice": ["toy"]}), tmp_path / "course"
+    for asked, said in (("--lesson 07", "--lesson 07: no such lesson; the lessons are 01_toy, toy"),
+                        ("--student mallory", "--student mallory: no such student folder; the students are alice")):
+        with pytest.raises(SystemExit) as stopped:  # a text: python prints it on stderr and exits 1
+            main(["--solutions", str(course.solutions), "grade", str(folder), "--root", str(root),
+                  "--out", str(tmp_path / "out"), *asked.split()])
+        assert stopped.value.code not in (None, 0) and said in str(stopped.value.code)
+        assert not root.exists()  # no gradebook, nothing released
 
 
 # ---------------------------------------------------------------------------- feedback and bad input
@@ -370,8 +411,10 @@ def executed(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
 def test_bad_input_gets_one_clear_line_each_and_the_rest_is_graded(course, tmp_path):
     """A folder with a space, one with letters beyond ASCII, one with a tab (unusable), a corrupt
     notebook, a notebook of an unknown name, a tampered notebook, and another course's gradebook
-    in the course root: one line each, and everyone else graded."""
-    students = toy_students(course)
+    in the course root: one line each, and everyone else graded. A course of the toy alone."""
+    (tmp_path / "solutions").mkdir()
+    shutil.copyfile(FIXTURES / "toy.ipynb", tmp_path / "solutions" / "toy.ipynb")
+    toy_only, students = dataclasses.replace(course, solutions=tmp_path / "solutions"), toy_students(course)
     folder = hand_in(tmp_path / "class", {"alice": students["alice"], "ann lee": students["alice"],
                                           "zoë": students["bob"], "frank": executed(students["carol"])})
     (folder / "dave").mkdir()
@@ -387,7 +430,7 @@ def test_bad_input_gets_one_clear_line_each_and_the_rest_is_graded(course, tmp_p
     root.mkdir()
     shutil.copyfile(other, root / "gradebook.db")
     out = tmp_path / "out"
-    run = run_course(course, "grade", str(folder), "--root", str(root), "--out", str(out), "--timeout", "60")
+    run = run_course(toy_only, "grade", str(folder), "--root", str(root), "--out", str(out), "--timeout", "60")
     assert run.returncode == 0, run.stdout + run.stderr
     report = (out / "report.txt").read_text()
 
@@ -419,20 +462,14 @@ def test_bad_input_gets_one_clear_line_each_and_the_rest_is_graded(course, tmp_p
     assert "could not be read" in dave and "invalid JSON" in dave
 
 
-def test_in_kernel_differences_are_reported_and_the_gradebook_keeps_the_sealed_score(course, tmp_path):
-    """--in-kernel also autogrades in one kernel, where mallory's answer cell switches the checks
-    off: 5/5 there, 2/5 sealed. The gradebook and the export hold 2; the report lists both tests
-    that differ (for the instructor: not in the feedback)."""
-    full = toy_students(course)["alice"]
-    cheat = "from parakit import grading\ngrading.check_local = lambda *a, **k: None\n\ndef add(a, b):\n    return a - b\n"
-    folder = hand_in(tmp_path / "class", {"mallory": panel.with_sources(full, {"add": cheat})})
-    root, out = tmp_path / "course", tmp_path / "out"
-    run = run_course(course, "grade", str(folder), "--root", str(root), "--out", str(out), "--timeout", "60",
-                     "--in-kernel")
-    assert run.returncode == 0, run.stdout + run.stderr
+def test_in_kernel_differences_are_reported_and_the_gradebook_keeps_the_sealed_score(by_student):
+    """--in-kernel also autogrades in one kernel, where bob's new answer cell switches the checks
+    off: 5/5 there, 2/5 sealed. The gradebook holds 2; the report lists both tests that differ
+    (for the instructor: not in the feedback)."""
+    root, out = by_student.course.root, by_student.course.out
     report = (out / "report.txt").read_text()
     for test in ("test_add", "test_add_hidden"):
         assert f"! {test}: 1 in the kernel, 0 sealed" in report or f"! {test}: 2 in the kernel, 0 sealed" in report
     with Gradebook(f"sqlite:///{root}/gradebook.db", "parakit") as gb:
-        assert gb.find_submission("toy", "mallory").score == 2.0
-    assert "in the kernel" not in (out / "feedback" / "mallory" / "toy.html").read_text()
+        assert gb.find_submission("toy", "bob").score == 2.0
+    assert "in the kernel" not in (out / "feedback" / "bob" / "toy.html").read_text()
