@@ -425,6 +425,32 @@ def test_torchrun_jobs_join_on_their_local_rank_gpu_passed_as_device_id(tmp_path
     assert done.returncode == 0, done.stdout + done.stderr
     found = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert found == [[rank, "fnccl", f"fgpu:{rank}", [3.0, 3.0], [0, 1]] for rank in range(2)]
+    assert "barrier()" not in done.stderr  # process_group's barrier is on the bound GPU, as NCCL's is: no warning
+
+
+LEAVING = """
+import json, time, torch, torch.distributed as dist, parakit
+from parakit import devices
+
+def completing(future):  # run by the transfer thread, in torch's code, taking the GIL back each millisecond ...
+    for _ in range(500):
+        time.sleep(0.001)
+
+devices.join("fnccl", 0, store=dist.HashStore(), rank=0, world_size=1)
+x = torch.ones(2, device=parakit.device())
+world = dist.group.WORLD
+world._start_coalescing(None)  # posted at its end: the callback is in place before the transfer runs
+work = dist.all_reduce(x, async_op=True)
+work.get_future().then(completing)
+world._end_coalescing(None)
+work.wait()
+print(json.dumps(x.tolist()))  # ... when the script ends
+"""
+
+
+def test_a_process_ending_while_its_transfer_thread_is_in_torch_exits_cleanly(tmp_path):
+    # the thread left in torch's C++ code aborted the interpreter's end: "terminate called without an active exception"
+    assert run_emulated(tmp_path, LEAVING) == [1.0, 1.0]
 
 
 FREED = """

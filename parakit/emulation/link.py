@@ -3,10 +3,13 @@ events of its ranks' operations go out, and the coordinator's answers come in, r
 thread; the transfers the coordinator releases run on another, in the order released.
 
 Made with the world's first emulated group (`connect`): rank 0 starts the coordinator and
-puts its address in the store, and every rank's process links to it, once.
+puts its address in the store, and every rank's process links to it, once. At the
+interpreter's exit the transfer thread finishes what was released to it and stops
+(`_Link.close`), before the interpreter ends.
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import multiprocessing.connection as mpc
 import os
@@ -102,7 +105,9 @@ class _Link:
         self.fault: str | None = None
         self.send(("hello", rank))
         threading.Thread(target=self._read, daemon=True, name="fnccl-reader").start()
-        threading.Thread(target=self._execute, daemon=True, name="fnccl-stream").start()
+        self.stream = threading.Thread(target=self._execute, daemon=True, name="fnccl-stream")
+        self.stream.start()
+        atexit.register(self.close)
 
     def send(self, event: tuple) -> None:
         with self.lock:
@@ -153,9 +158,18 @@ class _Link:
             event.set()
 
     def _execute(self) -> None:
-        while True:
-            entry_id, index = self.runs.get()
+        for entry_id, index in iter(self.runs.get, None):  # None: `close`
             self.pending[entry_id].run(index)
+
+    def close(self, timeout: float = 60) -> None:
+        """At exit: run the transfers released so far, then end the transfer thread. Left
+        running, it may be in torch's C++ code, the GIL released (a gloo transfer, completing
+        an operation's future and its callbacks: `Op.finish` wakes the waiter first), when the
+        interpreter ends; Python ends a thread that takes the GIL back then with pthread_exit,
+        whose unwinding through C++ aborts the process ("terminate called without an active
+        exception", exit code -6)."""
+        self.runs.put(None)
+        self.stream.join(timeout)
 
 
 class _Future(torch.futures.Future):

@@ -12,7 +12,8 @@ sets communicators up eagerly (device_id given: one per group) or lazily (one pe
 its first send or receive). A rank that waits for an operation that can never run gets an
 `EmulatedNCCLError` naming every stuck rank and the order of its operations, as soon as the
 last of them blocks; the world is broken from then on, as an aborted NCCL communicator is.
-`dist.batch_isend_irecv` on such a group posts its operations as one batch, as NCCL does.
+`dist.batch_isend_irecv` on such a group posts its operations as one batch, as NCCL does, and
+`dist.barrier` on one made with device_id runs on that device, as on NCCL's bound group.
 
 The bytes move through a gloo group over the same ranks, between CPU views of the fgpu
 tensors: each operation when the coordinator releases it, by one thread per process in the
@@ -34,7 +35,8 @@ from parakit.emulation.streams import Entry, Item
 __all__ = ["BACKEND", "EmulatedNCCL", "EmulatedNCCLError", "register", "broken", "idle"]
 
 BACKEND = "fnccl"
-_ORIGINAL = {"batch_isend_irecv": c10d.batch_isend_irecv, "object_device": c10d._get_object_coll_device}
+_ORIGINAL = {"batch_isend_irecv": c10d.batch_isend_irecv, "object_device": c10d._get_object_coll_device,
+             "barrier": c10d.barrier}
 
 
 def register() -> None:
@@ -43,6 +45,7 @@ def register() -> None:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=[fgpu.NAME])
         dist.batch_isend_irecv = c10d.batch_isend_irecv = _batch_isend_irecv
         c10d._get_object_coll_device = _object_device
+        dist.barrier = c10d.barrier = _barrier
 
 
 def _create(options, _backend_options):
@@ -71,6 +74,17 @@ def _batch_isend_irecv(p2p_op_list):
         raise
     group._end_coalescing(None)
     return works
+
+
+def _barrier(group=None, async_op=False, device_ids=None, timeout=None):
+    """torch's barrier; on an emulated group made with device_id, on that device, as NCCL's
+    group bound to it is (torch reads the device from bound_device_id, which this group leaves
+    unset, see `_get_backend`; without one it warns "barrier(): using the device under current
+    context", as it does on NCCL without device_id)."""
+    target = group or (c10d._get_default_group() if dist.is_initialized() else None)
+    if device_ids is None and isinstance(target, EmulatedNCCL) and target.eager:
+        device_ids = [target.device.index]
+    return _ORIGINAL["barrier"](group, async_op=async_op, device_ids=device_ids, timeout=timeout)
 
 
 def _object_device(group=None) -> str:
