@@ -189,15 +189,14 @@ print(json.dumps(parakit.launch(measured, torch.ones(1000), world_size=4)))
 
 def test_on_the_emulated_gpu_box_measure_meters_each_ranks_own_gpu_and_writes_the_model(tmp_path):
     """4 fgpu ranks on the emulated NCCL: each rank's meter is its own GPU's alone, and the bytes
-    written, which the OS cannot count there, are the model's. (The emulated NCCL's process group
-    runs its collectives from Python, past the dispatcher, so CallCounter sees none of them there
-    and the model reads 0; the model's bytes are checked on gloo, above.)"""
+    written, which the OS cannot count there, are the ring model's for the all-reduce it counted
+    (the emulated group's operations pass the dispatcher as NCCL's do): 2 (n - 1) / n of 4,000 B."""
     done = run_script(tmp_path, "import os\nos.environ['PARAKIT_EMULATE_GPUS'] = '4'\n" + EMULATED_MEASURE)
     assert done.returncode == 0, done.stdout + done.stderr
     for rank, ((covered, where), peak, written, by) in enumerate(json.loads(done.stdout.splitlines()[-1])):
         assert covered == [f"fgpu:{rank}"] and where == f"fgpu:{rank}", (rank, covered, where)
         assert peak >= 4000
-        assert by == "model" and isinstance(written, int)
+        assert by == "model" and written == 2 * 3 * 4000 // 4
 
 
 def test_compare_needs_two_versions():

@@ -14,6 +14,8 @@ its first send or receive). A rank that waits for an operation that can never ru
 last of them blocks; the world is broken from then on, as an aborted NCCL communicator is.
 `dist.batch_isend_irecv` on such a group posts its operations as one batch, as NCCL does, and
 `dist.barrier` on one made with device_id runs on that device, as on NCCL's bound group.
+Its operations pass PyTorch's dispatcher as NCCL's do (each its c10d op, served on fgpu by
+`_dispatched`), so that dispatch modes (CommDebugMode, side_by_side.CallCounter) see them.
 
 The bytes move through a gloo group over the same ranks, between CPU views of the fgpu
 tensors: each operation when the coordinator releases it, by one thread per process in the
@@ -22,6 +24,9 @@ coordinator's order. `Work.wait()` blocks the calling thread until the operation
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import warnings
 from collections import Counter
 
 import torch
@@ -43,9 +48,33 @@ def register() -> None:
     """Make "fnccl" a torch.distributed backend in this process (once)."""
     if not hasattr(dist.Backend, BACKEND.upper()):
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=[fgpu.NAME])
+        with warnings.catch_warnings():  # c10d's own fgpu kernels would ask for a C++ backend this group has not
+            warnings.filterwarnings("ignore", "Warning only once for all operators")
+            for name in _DISPATCHED:
+                _C10D.impl(name, functools.partial(_dispatched, getattr(torch.ops.c10d, name).default), "PrivateUse1")
         dist.batch_isend_irecv = c10d.batch_isend_irecv = _batch_isend_irecv
         c10d._get_object_coll_device = _object_device
         dist.barrier = c10d.barrier = _barrier
+
+
+_C10D = torch.library.Library("c10d", "IMPL")
+_DISPATCHED = ("allreduce_", "allreduce_coalesced_", "broadcast_", "reduce_", "allgather_", "_allgather_base_",
+               "allgather_into_tensor_coalesced_", "reduce_scatter_", "_reduce_scatter_base_",
+               "reduce_scatter_tensor_coalesced_", "alltoall_base_", "alltoall_", "gather_", "scatter_", "send",
+               "recv_")  # the c10d ops an emulated group's operations pass, as NCCL's do
+
+
+def _dispatched(op, *args, **kwargs):
+    """The fgpu kernel of c10d's `op`: the work its emulated group posted before dispatching it
+    (`EmulatedNCCL._shown`), returned as NCCL's kernel returns its work (with the op's first
+    argument, the tensors it writes, where the op returns them)."""
+    group = next(dist.ProcessGroup.unbox(a) for a in args
+                 if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()))
+    if not isinstance(group, EmulatedNCCL) or not group.shown:
+        raise RuntimeError(f"{op} on an fgpu tensor outside an emulated NCCL group's operation: call it "
+                           f"through torch.distributed (dist.all_reduce, ...) or the group's methods")
+    work = group.shown.pop().boxed()
+    return work if len(op._schema.returns) == 1 else (args[0], work)
 
 
 def _create(options, _backend_options):
@@ -135,6 +164,7 @@ class EmulatedNCCL(dist.ProcessGroup):
         self.group_name_, self.group_desc_ = name, "undefined"
         self.connected: set[tuple] = set()
         self.counts: Counter = Counter()
+        self.shown: list[Work] = []  # the work an operation posted, while it passes the dispatcher
 
     def getBackendName(self):
         return BACKEND
@@ -244,10 +274,24 @@ class EmulatedNCCL(dist.ProcessGroup):
         return Work(op)
 
     # -------------------------------------------------------------------------- operations
+    # Each posts its work, then shows it to PyTorch's dispatcher by calling ProcessGroup's own
+    # method (`super()`, from the method of the same name: pybind calls C++'s, not this one),
+    # which dispatches the c10d op as NCCL's group does.
+
+    @contextlib.contextmanager
+    def _shown(self, work: Work):
+        self.shown.append(work)
+        try:
+            yield
+        finally:
+            self.shown.clear()  # a dispatch mode that never runs the op leaves nothing behind
 
     def send(self, tensors, dst, tag=0):
         (tensor,) = tensors
-        return self._p2p(True, tensor, dst, lambda: self.gloo.send([fgpu.cpu_view(tensor).contiguous()], dst, 0).wait())
+        work = self._p2p(True, tensor, dst, lambda: self.gloo.send([fgpu.cpu_view(tensor).contiguous()], dst, 0).wait())
+        with self._shown(work):
+            super().send(tensors, dst, tag)
+        return work
 
     def recv(self, tensors, src, tag=0):
         (tensor,) = tensors
@@ -258,7 +302,10 @@ class EmulatedNCCL(dist.ProcessGroup):
             self.gloo.recv([buffer], src, 0).wait()
             if buffer is not view:
                 view.copy_(buffer)
-        return self._p2p(False, tensor, src, run)
+        work = self._p2p(False, tensor, src, run)
+        with self._shown(work):
+            super().recv(tensors, src, tag)
+        return work
 
     def recv_anysource(self, tensors, tag=0):
         raise RuntimeError("ProcessGroupNCCL does not support recvAnysource: name the sender (src=...)")
@@ -266,10 +313,22 @@ class EmulatedNCCL(dist.ProcessGroup):
     def monitored_barrier(self, *args, **kwargs):
         raise RuntimeError("monitored_barrier is only implemented for the GLOO backend")
 
-    def barrier(self, opts=None):
+    def barrier(self, opts=None):  # not dispatched: ProcessGroup's barrier makes its tensor on the CPU
         return self._collective("barrier", [], lambda: self.gloo.barrier(dist.BarrierOptions()).wait(), [])
 
     def allreduce(self, tensors, opts=None):
+        work = self._allreduce(tensors, opts)
+        with self._shown(work):
+            super().allreduce(tensors, *_given(opts))
+        return work
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        work = self._allreduce(tensors, opts)
+        with self._shown(work):
+            super().allreduce_coalesced(tensors, *_given(opts))
+        return work
+
+    def _allreduce(self, tensors, opts) -> Work:
         op, average = _reduce(opts)
 
         def run():
@@ -279,13 +338,13 @@ class EmulatedNCCL(dist.ProcessGroup):
                 view.div_(self.size())
         return self._collective("all_reduce", tensors, run, tensors)
 
-    def allreduce_coalesced(self, tensors, opts=None):
-        return self.allreduce(tensors, opts)
-
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
-        return self._collective("broadcast", tensors, lambda: self.gloo.broadcast(
+        work = self._collective("broadcast", tensors, lambda: self.gloo.broadcast(
             _views(tensors), _options(dist.BroadcastOptions, rootRank=root, rootTensor=0)).wait(), tensors)
+        with self._shown(work):
+            super().broadcast(tensors, *_given(opts))
+        return work
 
     def reduce(self, tensors, opts=None):
         op, average = _reduce(opts)
@@ -295,25 +354,38 @@ class EmulatedNCCL(dist.ProcessGroup):
             self.gloo.reduce(views, _options(dist.ReduceOptions, reduceOp=op, rootRank=opts.rootRank)).wait()
             for view in views if average and self.rank() == opts.rootRank else ():
                 view.div_(self.size())
-        return self._collective("reduce", tensors, run, tensors)
+        work = self._collective("reduce", tensors, run, tensors)
+        with self._shown(work):
+            super().reduce(tensors, opts)
+        return work
 
     def allgather(self, output_lists, inputs, opts=None):
         outputs = [t for ts in output_lists for t in ts]
-        return self._collective("all_gather", [*inputs, *outputs], lambda: self.gloo.allgather(
+        work = self._collective("all_gather", [*inputs, *outputs], lambda: self.gloo.allgather(
             [_views(ts) for ts in output_lists], _views(inputs)).wait(), outputs)
+        with self._shown(work):
+            super().allgather(output_lists, inputs, *_given(opts))
+        return work
 
     def all_gather_single(self, output, input, opts=None):
-        return self.allgather_into_tensor_coalesced([output], [input], opts)
+        work = self._all_gather_single([output], [input])
+        with self._shown(work):
+            super().all_gather_single(output, input, *_given(opts))
+        return work
 
-    _allgather_base = all_gather_single
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        work = self._all_gather_single(outputs, inputs)
+        with self._shown(work):
+            super().all_gather_single_coalesced(outputs, inputs, *_given(opts))
+        return work
 
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+    _allgather_base, allgather_into_tensor_coalesced = all_gather_single, all_gather_single_coalesced  # older names
+
+    def _all_gather_single(self, outputs, inputs) -> Work:
         def run():
             for output, input in zip(_views(outputs), _views(inputs)):
                 self.gloo._allgather_base(output, input).wait()
         return self._collective("all_gather_into_tensor", [*inputs, *outputs], run, outputs)
-
-    all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         op, average = _reduce(opts)
@@ -325,14 +397,26 @@ class EmulatedNCCL(dist.ProcessGroup):
                                      _options(dist.ReduceScatterOptions, reduceOp=op)).wait()
             for view in views if average else ():
                 view.div_(self.size())
-        return self._collective("reduce_scatter", [*inputs, *outputs], run, outputs)
+        work = self._collective("reduce_scatter", [*inputs, *outputs], run, outputs)
+        with self._shown(work):
+            super().reduce_scatter(outputs, input_lists, *_given(opts))
+        return work
 
     def reduce_scatter_single(self, output, input, opts=None):
-        return self.reduce_scatter_tensor_coalesced([output], [input], opts)
+        work = self._reduce_scatter_single([output], [input], opts)
+        with self._shown(work):
+            super().reduce_scatter_single(output, input, *_given(opts))
+        return work
 
-    _reduce_scatter_base = reduce_scatter_single
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        work = self._reduce_scatter_single(outputs, inputs, opts)
+        with self._shown(work):
+            super().reduce_scatter_single_coalesced(outputs, inputs, *_given(opts))
+        return work
 
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+    _reduce_scatter_base, reduce_scatter_tensor_coalesced = reduce_scatter_single, reduce_scatter_single_coalesced
+
+    def _reduce_scatter_single(self, outputs, inputs, opts) -> Work:
         op, average = _reduce(opts)
 
         def run():
@@ -342,27 +426,42 @@ class EmulatedNCCL(dist.ProcessGroup):
                     output.div_(self.size())
         return self._collective("reduce_scatter_tensor", [*inputs, *outputs], run, outputs)
 
-    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
-
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
-        return self._collective("all_to_all_single", [input, output], lambda: self.gloo.alltoall_base(
+        work = self._collective("all_to_all_single", [input, output], lambda: self.gloo.alltoall_base(
             fgpu.cpu_view(output), fgpu.cpu_view(input), list(output_splits or []), list(input_splits or []),
             dist.AllToAllOptions()).wait(), [output])
+        with self._shown(work):
+            super().all_to_all_single(output, input, output_splits, input_splits, *_given(opts))
+        return work
 
     alltoall_base = all_to_all_single
 
     def alltoall(self, outputs, inputs, opts=None):
-        return self._collective("all_to_all", [*inputs, *outputs], lambda: self.gloo.alltoall(
+        work = self._collective("all_to_all", [*inputs, *outputs], lambda: self.gloo.alltoall(
             _views(outputs), _views(inputs), dist.AllToAllOptions()).wait(), outputs)
+        with self._shown(work):
+            super().alltoall(outputs, inputs, *_given(opts))
+        return work
 
     def gather(self, output_lists, inputs, opts=None):
         outputs = [t for ts in output_lists for t in ts]
-        return self._collective("gather", [*inputs, *outputs], lambda: self.gloo.gather(
+        work = self._collective("gather", [*inputs, *outputs], lambda: self.gloo.gather(
             [_views(ts) for ts in output_lists], _views(inputs),
             _options(dist.GatherOptions, rootRank=opts.rootRank)).wait(), outputs)
+        with self._shown(work):
+            super().gather(output_lists, inputs, opts)
+        return work
 
     def scatter(self, outputs, input_lists, opts=None):
         inputs = [t for ts in input_lists for t in ts]
-        return self._collective("scatter", [*inputs, *outputs], lambda: self.gloo.scatter(
+        work = self._collective("scatter", [*inputs, *outputs], lambda: self.gloo.scatter(
             _views(outputs), [_views(ts) for ts in input_lists],
             _options(dist.ScatterOptions, rootRank=opts.rootRank)).wait(), outputs)
+        with self._shown(work):
+            super().scatter(outputs, input_lists, opts)
+        return work
+
+
+def _given(opts) -> tuple:
+    """An operation's options as passed on to ProcessGroup's method: none where none were given."""
+    return () if opts is None else (opts,)
