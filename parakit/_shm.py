@@ -21,7 +21,9 @@ rank that keeps an argument in a global or a %%ranks name keeps its pages until 
 Devices: a storage on a GPU travels as its bytes copied to the CPU, so `dumps` brings every
 tensor to the CPU, inside any object; `loads(device=...)` puts every storage on that device
 (views still share); `dumps(detach=True)` sends tensors that require grad detached, as the
-values they hold (parameters stay parameters).
+values they hold (parameters stay parameters). A functional collective's pending output (an
+AsyncCollectiveTensor, which DTensor's ops return) is waited for and travels as the plain
+tensor it holds: the wrapper would keep its device, and a collective a process cannot finish.
 
 Why not torch.multiprocessing's own reductions: they move the sender's storage into shared
 memory in place, keep a file descriptor open per storage in every process (Linux's default
@@ -39,6 +41,7 @@ import tempfile
 
 import cloudpickle
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 INLINE_BYTES = 64 * 1024  # smaller storages travel inside the pickle
@@ -102,6 +105,10 @@ class _Pickler(cloudpickle.Pickler):
         self.copies: list[torch.UntypedStorage] = []  # GPU storages' CPU copies, alive while pickling
 
     def reducer_override(self, obj):
+        if isinstance(obj, AsyncCollectiveTensor):
+            obj = obj.wait()
+            if not (self.detach and obj.requires_grad):
+                return obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         if self.detach and type(obj) is torch.Tensor and obj.requires_grad:
             return obj.detach().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         return super().reducer_override(obj)

@@ -230,6 +230,7 @@ def test_readme_example_runs_on_the_emulated_box(tmp_path):
 
 PLACING = """
 import collections, dataclasses, json, typing, parakit, torch, torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 Pair = typing.NamedTuple("Pair", [("a", torch.Tensor), ("b", int)])
 
@@ -244,7 +245,8 @@ def where(x, on_gpu, model, box):
     counts = collections.defaultdict(int, ones=1)
     return seen, x[1:].untyped_storage() is x.untyped_storage(), {
         "ordered": collections.OrderedDict(y=y), "default": counts, "box": Box(y), "pair": Pair(y, rank),
-        "model": model, "parameters": list(model.parameters())}
+        "model": model, "parameters": list(model.parameters()),
+        "collective": funcol.all_reduce(torch.ones(2, device=parakit.device()), "sum", dist.group.WORLD)}
 
 x, on_gpu = torch.arange(4.0), torch.ones(2, device="fgpu:0")
 results = parakit.launch(where, x, on_gpu, torch.nn.Linear(2, 2), Box(torch.zeros(1)), world_size=2)
@@ -252,14 +254,15 @@ on_gloo = parakit.launch(lambda t: str(t.device), on_gpu, world_size=2, backend=
 
 def devices_of(result):
     found = [result["ordered"]["y"], result["box"].t, result["pair"].a, result["model"].weight,
-             *result["parameters"]]
+             *result["parameters"], result["collective"]]
     return sorted({str(t.device) for t in found}), any(t.requires_grad and t.grad_fn for t in found)
 
 last = results[-1][2]
 print(json.dumps({"seen": [r[0] for r in results], "views_share": [r[1] for r in results],
                   "back": [devices_of(r[2]) for r in results], "kinds": [type(last["ordered"]).__name__,
                   type(last["default"]).__name__, last["default"]["missing"], type(last["pair"]).__name__],
-                  "values": [r[2]["pair"].a.tolist() for r in results], "on_gloo": on_gloo}))
+                  "values": [r[2]["pair"].a.tolist() for r in results], "on_gloo": on_gloo,
+                  "collective": [[type(r[2]["collective"]).__name__, r[2]["collective"].tolist()] for r in results]}))
 """
 
 
@@ -271,6 +274,7 @@ def test_launch_places_tensor_arguments_on_each_ranks_device_and_brings_results_
     assert found["kinds"] == ["OrderedDict", "defaultdict", 0, "Pair"]
     assert found["values"] == [[0.0, 0.0], [2.0, 2.0]]
     assert found["on_gloo"] == ["cpu", "cpu"]  # a GPU tensor to gloo ranks arrives on the CPU, as documented
+    assert found["collective"] == [["Tensor", [2.0, 2.0]]] * 2  # DTensor's pending output: waited, a plain tensor
 
 
 BAD_INPUT = """
