@@ -7,7 +7,10 @@ import subprocess
 import sys
 import textwrap
 import time
+import traceback
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -112,6 +115,25 @@ def read_until(process: subprocess.Popen, prefix: str, seen: list[str], timeout:
         if line.startswith(prefix):
             return line
     raise AssertionError(f"the script never printed a line starting {prefix!r}; it printed:\n" + "".join(seen))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failure reported as plain text where pytest's report of it fails: Python 3.11.7's ast
+    can be left raising "SystemError: AST constructor recursion depth mismatch" on every parse
+    (CPython issue 106905; pytest issue 11724), and pytest parses the test's source to report a
+    failure, so one such report ended a CI run with INTERNALERROR and every result after it
+    lost. The text names each frame and the exception, as traceback does, without parsing."""
+    try:
+        return (yield)
+    except SystemError as error:
+        frames = [f for f in traceback.extract_tb(call.excinfo.tb) if "/_pytest/" not in f.filename
+                  and "/pluggy/" not in f.filename] if call.excinfo else []
+        text = (call.excinfo.exconly() if call.excinfo else "") + "\n"
+        text += "".join(f"{f.filename}:{f.lineno} in {f.name}\n    {f.line}\n" for f in frames)
+        return pytest.TestReport(item.nodeid, item.location, {k: 1 for k in item.keywords}, "failed",
+                                 f"{text}(pytest could not report this failure: {error})", call.when,
+                                 duration=call.duration, start=call.start, stop=call.stop)
 
 
 def pytest_terminal_summary(terminalreporter):
