@@ -89,6 +89,17 @@ class Passing(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 with Passing():  # as MemoryMeter's and torch's modes are
     found["under_a_mode"] = str(torch.tensor([1], device="fgpu:1").device)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+alone, xs, ys, rows_on = copy.deepcopy(model), torch.randn(12, 8), torch.randn(12, 4), []
+model[0].register_forward_pre_hook(lambda layer, args: rows_on.append((str(args[0].device), len(args[0]))))
+net = torch.nn.DataParallel(model.to("fgpu:0"))  # every emulated GPU: scatter, replicate, gather, reduce_add
+out = net(xs.to("fgpu:0"))
+torch.nn.functional.mse_loss(out, ys.to("fgpu:0")).backward()
+torch.nn.functional.mse_loss(alone(xs), ys).backward()
+found["data_parallel"] = [net.device_ids, sorted(rows_on), str(out.device), max(
+    (a.cpu() - b).abs().max().item() for a, b in zip([out.detach(), *(p.grad for p in model.parameters())],
+                                                     [alone(xs).detach(), *(p.grad for p in alone.parameters())]))]
 print(json.dumps(found))
 """
 
@@ -108,6 +119,9 @@ def test_fgpu_tensors_refuse_to_mix_devices_as_cuda_does(tmp_path):
     assert found["made_there"] == ["fgpu:1", "fgpu:2"]  # PyTorch would crash allocating there (no allocator)
     assert found["generator"] == [True, True]  # an fgpu generator is a CPU one: fgpu draws from the CPU's
     assert found["autocast"] == ["torch.bfloat16", "torch.float32", "torch.float32", "torch.float32"]  # CUDA's rules
+    ids, rows_on, where, difference = found["data_parallel"]  # nn.DataParallel, as over 4 GPUs
+    assert ids == [0, 1, 2, 3] and rows_on == [[f"fgpu:{i}", 3] for i in range(4)] and where == "fgpu:0"
+    assert difference < 1e-5, difference
 
 
 # ---------------------------------------------------------------- NCCL's streams, as data

@@ -8,6 +8,7 @@ emulated NCCL for n <= 4 and each rank computes on its own device. Two parts:
 
 - `fgpu`: the devices fgpu:0 .. fgpu:N-1, tensors in CPU memory, refusing to mix devices
   as CUDA does;
+- `replicas`: nn.DataParallel's copies between devices, which PyTorch makes with CUDA's kernels;
 - `nccl` (with `streams`): the backend "fnccl", holding ranks to what NCCL enforces (their
   own device only, one device per rank, its unsupported operations) and stopping, with the
   order of each rank's operations, where NCCL would hang (per-stream order, sends that wait
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from parakit.emulation import fgpu, nccl
+from parakit.emulation import fgpu, nccl, replicas
 
 __all__ = ["ENV", "DEVICE", "BACKEND", "gpus", "install", "idle", "broken"]
 
@@ -42,3 +43,4 @@ def install(count: int | None = None) -> None:
     "fnccl" backend; a later call may change the count."""
     fgpu.install(count or gpus() or fgpu.device_count() or 1)
     nccl.register()
+    replicas.install()
