@@ -260,7 +260,12 @@ def where(x, on_gpu, model, box):
     return seen, x[1:].untyped_storage() is x.untyped_storage(), {
         "ordered": collections.OrderedDict(y=y), "default": counts, "box": Box(y), "pair": Pair(y, rank),
         "model": model, "parameters": list(model.parameters()),
-        "collective": funcol.all_reduce(torch.ones(2, device=parakit.device()), "sum", dist.group.WORLD)}
+        "collective": funcol.all_reduce(torch.ones(2, device=parakit.device()), "sum", dist.group.WORLD),
+        "functional": [funcol.all_gather_tensor(torch.full((1,), float(rank), device=parakit.device()), 0,
+                                                dist.group.WORLD),  # as DTensor's ops call them, from C++
+                       funcol.reduce_scatter_tensor(torch.ones(2, device=parakit.device()), "sum", 0, dist.group.WORLD),
+                       funcol.all_to_all_single(torch.tensor([rank, 10.0 + rank], device=parakit.device()), [1, 1],
+                                                [1, 1], dist.group.WORLD)]}
 
 x, on_gpu = torch.arange(4.0), torch.ones(2, device="fgpu:0")
 results = parakit.launch(where, x, on_gpu, torch.nn.Linear(2, 2), Box(torch.zeros(1)), world_size=2)
@@ -276,7 +281,8 @@ print(json.dumps({"seen": [r[0] for r in results], "views_share": [r[1] for r in
                   "back": [devices_of(r[2]) for r in results], "kinds": [type(last["ordered"]).__name__,
                   type(last["default"]).__name__, last["default"]["missing"], type(last["pair"]).__name__],
                   "values": [r[2]["pair"].a.tolist() for r in results], "on_gloo": on_gloo,
-                  "collective": [[type(r[2]["collective"]).__name__, r[2]["collective"].tolist()] for r in results]}))
+                  "collective": [[type(r[2]["collective"]).__name__, r[2]["collective"].tolist()] for r in results],
+                  "functional": [[t.tolist() for t in r[2]["functional"]] for r in results]}))
 """
 
 
@@ -289,6 +295,7 @@ def test_launch_places_tensor_arguments_on_each_ranks_device_and_brings_results_
     assert found["values"] == [[0.0, 0.0], [2.0, 2.0]]
     assert found["on_gloo"] == ["cpu", "cpu"]  # a GPU tensor to gloo ranks arrives on the CPU, as documented
     assert found["collective"] == [["Tensor", [2.0, 2.0]]] * 2  # DTensor's pending output: waited, a plain tensor
+    assert found["functional"] == [[[0.0, 1.0], [2.0], [0.0, 1.0]], [[0.0, 1.0], [2.0], [10.0, 11.0]]]
 
 
 BAD_INPUT = """

@@ -276,7 +276,10 @@ class EmulatedNCCL(dist.ProcessGroup):
     # -------------------------------------------------------------------------- operations
     # Each posts its work, then shows it to PyTorch's dispatcher by calling ProcessGroup's own
     # method (`super()`, from the method of the same name: pybind calls C++'s, not this one),
-    # which dispatches the c10d op as NCCL's group does.
+    # which dispatches the c10d op as NCCL's group does. C++ callers reach these methods by
+    # name, and fall back to an older name (allgather_into_tensor_coalesced, alltoall_base,
+    # reduce_scatter_tensor_coalesced) where a group lacks the new one: a method here under an
+    # older name would be called again from its own super() call, without end.
 
     @contextlib.contextmanager
     def _shown(self, work: Work):
@@ -379,7 +382,7 @@ class EmulatedNCCL(dist.ProcessGroup):
             super().all_gather_single_coalesced(outputs, inputs, *_given(opts))
         return work
 
-    _allgather_base, allgather_into_tensor_coalesced = all_gather_single, all_gather_single_coalesced  # older names
+    _allgather_base = all_gather_single  # the older name (not the other older ones: see the section's note)
 
     def _all_gather_single(self, outputs, inputs) -> Work:
         def run():
@@ -414,7 +417,7 @@ class EmulatedNCCL(dist.ProcessGroup):
             super().reduce_scatter_single_coalesced(outputs, inputs, *_given(opts))
         return work
 
-    _reduce_scatter_base, reduce_scatter_tensor_coalesced = reduce_scatter_single, reduce_scatter_single_coalesced
+    _reduce_scatter_base = reduce_scatter_single
 
     def _reduce_scatter_single(self, outputs, inputs, opts) -> Work:
         op, average = _reduce(opts)
@@ -433,8 +436,6 @@ class EmulatedNCCL(dist.ProcessGroup):
         with self._shown(work):
             super().all_to_all_single(output, input, output_splits, input_splits, *_given(opts))
         return work
-
-    alltoall_base = all_to_all_single
 
     def alltoall(self, outputs, inputs, opts=None):
         work = self._collective("all_to_all", [*inputs, *outputs], lambda: self.gloo.alltoall(
