@@ -80,7 +80,9 @@ def explore(draw: Callable, **controls) -> None:
     on the shell channel while it waits for the cell's reply there, and under load that reply
     can wait for the cell's timeout. Returns None, so no function's repr lands in the cell.
 
-    Where no frontend can show widgets (see `static_only`), draws once at the first values.
+    Each control is labelled with its name. A value `draw` raises on shows "cannot draw ...:"
+    and the error in place of the figure. Where no frontend can show widgets (see
+    `static_only`), draws once at the first values.
     """
     first = {name: spec[0] for name, spec in controls.items()}
     if static_only():
@@ -90,7 +92,7 @@ def explore(draw: Callable, **controls) -> None:
     import ipywidgets
     from IPython.display import display
 
-    widgets = {name: _widget(spec) for name, spec in controls.items()}
+    widgets = {name: _widget(name, spec) for name, spec in controls.items()}
     display(ipywidgets.HBox(list(widgets.values())))
     figure, text = _drawn(draw, first)
     handles = [display(figure, display_id=True), display(text, raw=True, display_id=True)]
@@ -115,7 +117,13 @@ def _drawn(draw: Callable, values: dict):
 
     before, printed = set(plt.get_fignums()), io.StringIO()
     with contextlib.redirect_stdout(printed):
-        draw(**values)
+        try:
+            draw(**values)
+        except Exception as error:  # shown in place of the figure: a stale one would look like the answer
+            for n in set(plt.get_fignums()) - before:
+                plt.close(n)
+            shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
+            print(f"cannot draw {shown}: {type(error).__name__}: {error}")
     figures = [plt.figure(n) for n in plt.get_fignums() if n not in before]
     if len(figures) > 1:  # one image: stack them
         images = [_png(f) for f in figures]
@@ -144,16 +152,19 @@ def _png(figure) -> bytes:
     return buffer.getvalue()
 
 
-def _widget(spec):
+def _widget(name: str, spec):
+    """The control for one of explore's `controls`, labelled with its name."""
     import ipywidgets
 
+    label = {"description": name, "style": {"description_width": "initial"}}
     if isinstance(spec, tuple) and all(isinstance(v, int) for v in spec):
         low, high, *step = spec
-        return ipywidgets.IntSlider(value=low, min=low, max=high, step=step[0] if step else 1)
+        return ipywidgets.IntSlider(value=low, min=low, max=high, step=step[0] if step else 1, **label)
     if isinstance(spec, tuple):
         low, high, *step = spec
-        return ipywidgets.FloatSlider(value=low, min=low, max=high, step=step[0] if step else (high - low) / 20)
-    return ipywidgets.Dropdown(options=list(spec), value=spec[0])
+        return ipywidgets.FloatSlider(value=low, min=low, max=high, step=step[0] if step else (high - low) / 20,
+                                      **label)
+    return ipywidgets.Dropdown(options=list(spec), value=spec[0], **label)
 
 
 # ---------------------------------------------------------------- lesson 01: DataParallel

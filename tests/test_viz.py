@@ -1,0 +1,93 @@
+"""viz.explore's controls, and the lessons' explorers swept over the values their controls offer."""
+from __future__ import annotations
+
+import ast
+import itertools
+import json
+
+import matplotlib.pyplot as plt
+import pytest
+
+from conftest import REPO
+from parakit import viz
+
+
+class Shown:
+    """What explore displays, in place of a frontend: the controls and each update of the outputs."""
+
+    def __init__(self):
+        self.controls, self.updates = [], []
+
+    def display(self, obj, raw=False, display_id=False):
+        if hasattr(obj, "children"):
+            self.controls = list(obj.children)
+        return self
+
+    def update(self, obj, raw=False):
+        self.updates.append(obj)
+
+
+def test_explore_labels_each_control_and_shows_what_draw_raised_in_place_of_the_figure(monkeypatch):
+    import IPython.display
+
+    shown = Shown()
+    monkeypatch.setattr(viz, "static_only", lambda: False)
+    monkeypatch.setattr(IPython.display, "display", shown.display)
+
+    def draw(n, kind):
+        if n == 3:
+            raise ZeroDivisionError("division by zero")
+        plt.plot(range(n))
+        print(f"{kind} {n}")
+
+    viz.explore(draw, n=(1, 4), kind=["a", "b"])
+    assert [(w.description, w.value) for w in shown.controls] == [("n", 1), ("kind", "a")]
+    shown.controls[0].value = 3
+    assert shown.updates[-2] == {"text/plain": "(no figure)"}
+    assert shown.updates[-1] == {"text/plain": "cannot draw n=3, kind='a': ZeroDivisionError: division by zero"}
+    shown.controls[1].value = "b"
+    shown.controls[0].value = 2
+    assert shown.updates[-1] == {"text/plain": "b 2"} and shown.updates[-2].format == "png"
+    assert plt.get_fignums() == []  # every figure drawn was closed
+
+
+def library_explorers() -> list:
+    """(lesson, viz function, {control: values}) of every lesson's explore call that draws a viz
+    function with literal controls: each slider's ends and middle, every dropdown option."""
+    found = []
+    for path in sorted((REPO / "solutions").glob("[0-9][0-9]_*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            source = "".join(cell["source"])
+            if cell["cell_type"] != "code" or "viz.explore(" not in source:
+                continue
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.Call) and ast.unparse(node.func) == "viz.explore":
+                    draw = node.args[0]
+                    if isinstance(draw, ast.Lambda) and isinstance(draw.body, ast.Call):
+                        draw = draw.body.func  # lambda n: viz.ring_steps(n): its arguments in order
+                    if not ast.unparse(draw).startswith("viz."):
+                        continue  # a function the notebook defines
+                    try:
+                        controls = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+                    except ValueError:
+                        continue  # a control built from the notebook's names
+                    found.append(pytest.param(getattr(viz, ast.unparse(draw)[4:]), {
+                        name: sorted({spec[0], spec[1], spec[0] + (spec[1] - spec[0]) // 2})
+                        if isinstance(spec, tuple) else list(spec) for name, spec in controls.items()},
+                        id=f"{path.stem[:2]}-{ast.unparse(draw)[4:]}"))
+    return found
+
+
+@pytest.mark.parametrize("draw, values", library_explorers())
+def test_every_value_a_lesson_explorer_offers_draws(draw, values):
+    """Each control through its values with the others at their first, then every corner."""
+    first = {name: options[0] for name, options in values.items()}
+    cases = [{**first, name: v} for name, options in values.items() for v in options[1:]]
+    cases += [dict(zip(values, corner)) for corner in itertools.product(*([o[0], o[-1]] for o in values.values()))]
+    for case in cases:
+        try:
+            draw(**case)
+        except Exception as error:
+            raise AssertionError(f"{draw.__name__}({case}) raised {type(error).__name__}: {error}") from None
+        finally:
+            plt.close("all")
