@@ -117,6 +117,52 @@ def read_until(process: subprocess.Popen, prefix: str, seen: list[str], timeout:
     raise AssertionError(f"the script never printed a line starting {prefix!r}; it printed:\n" + "".join(seen))
 
 
+class EmulatedNotebooks:
+    """nbval runs every solution notebook on the emulated GPU box (parakit.emulation): 4 GPUs and
+    NCCL's rules, or as many as PARAKIT_EMULATE_GPUS says (set it empty for gloo and the CPU).
+    Each notebook also runs top to bottom on gloo, in test_pipeline.py's validate: 160 s for
+    all 11 under nbval on gloo, 286 s emulated, on a 2-core machine. (A plugin, not a conftest
+    in solutions/: a second conftest module would take the name `conftest` from this one.)
+
+    A cell tagged "not-emulated" is skipped there, for what the emulation cannot do:
+    - 02_ddp, PyTorch's DDP with find_unused_parameters=True: its reducer copies the map of
+      used parameters through pinned host memory, which a device served from Python cannot
+      allocate (PyTorch: "implement `getPinnedMemoryAllocator` ... for PrivateUse1"). The GPU
+      suite runs the notebook whole on NCCL (test_gpu.py)."""
+
+    TAG = "not-emulated"
+
+    def __init__(self):
+        self.set = False  # whether PARAKIT_EMULATE_GPUS is this plugin's, for the cell running
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item):
+        """Before nbval starts a notebook's kernel (in its first cell's setup): the kernel, and
+        the ranks it launches, inherit the emulated box."""
+        if not hasattr(item, "cell") or (REPO / "solutions") not in Path(item.path).parents:
+            return
+        from parakit.emulation import ENV
+        if ENV not in os.environ:
+            os.environ[ENV], self.set = "4", True
+        if os.environ[ENV] and self.TAG in item.cell.get("metadata", {}).get("tags", []):
+            pytest.skip(f"tagged {self.TAG}: the emulation cannot run it (tests/conftest.py says why)")
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        """After each cell (and the kernel's shutdown after the last), the environment as it was."""
+        try:
+            return (yield)
+        finally:
+            if self.set:
+                from parakit.emulation import ENV
+                os.environ.pop(ENV, None)
+                self.set = False
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(EmulatedNotebooks(), "emulated-notebooks")
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     """A failure reported as plain text where pytest's report of it fails: Python 3.11.7's ast
