@@ -142,6 +142,46 @@ def test_a_configuration_that_does_not_fit_is_rejected_with_the_bytes_over():
     assert "needs 1.05 GB on pipeline rank 0, 0.55 GB over" in next(c for c in over if str(c.config) == "pp2 1f1b m4 mb1 zero0 bf16").reasons[0]
 
 
+def test_the_drawn_plan_of_a_configuration_that_cannot_run_says_why_in_place_of_a_step_time():
+    import matplotlib.pyplot as plt
+    from parakit.plan.figure import draw_plan
+
+    small = Cluster(devices_per_node=2, nodes=1, memory=0.5e9, flops=1e14)
+    model = Model(layers=4, hidden=1024, heads=8, seq=512, vocab=32000)
+    cases = {Config(pp=2, microbatches=4, zero=0): "cannot run: needs 1.05 GB on pipeline rank 0, 0.55 GB over the "
+                                                   "device's 0.50 GB",  # bars drawn, no step time
+             Config(tp=2, pp=2, sp=True, microbatches=4): "dp x tp x pp x cp = 1 x 2 x 2 x 1 = 4 devices, but the "
+                                                          "cluster has 2 (-2)"}
+    for config, says in cases.items():
+        figure = draw_plan(model, small, config)
+        texts = [t.get_text() for axis in figure.axes for t in axis.texts]
+        titles = [axis.get_title() for axis in figure.axes]
+        plt.close(figure)
+        assert any(says in t for t in texts), texts
+        assert not any(" s" in t and ":" in t for t in titles), titles  # no step time anywhere
+
+
+def test_lesson_10s_explorer_draws_every_choice_it_offers():
+    """Its dropdowns (tp, pp over 32 GPUs, zero, checkpointing) on a 70B-shaped model: each value
+    draws a plan or its reasons (tp8 pp8 asks for 64 devices; tp1 pp1 does not fit)."""
+    import matplotlib.pyplot as plt
+    from parakit.plan.figure import draw_plan
+
+    model, cluster = Model(layers=80, hidden=8192, heads=64, ffn=28672, seq=4096, vocab=32000), Cluster(8, 4, 80e9, 989e12)
+    choices = [(tp, pp, 1, "selective") for tp in (8, 1, 2, 4) for pp in (4, 1, 2, 8)]
+    choices += [(8, 4, zero, checkpointing) for zero in (0, 2, 3) for checkpointing in ("selective", "none", "full")]
+    said = {}
+    for tp, pp, zero, checkpointing in choices:
+        dp = max(32 // (tp * pp), 1)  # as the lesson's explore_70b
+        figure = draw_plan(model, cluster, Config(dp=dp, tp=tp, pp=pp, sp=tp > 1, microbatches=64 // dp, microbatch=1,
+                                                  zero=zero, checkpointing=checkpointing))
+        said[tp, pp, zero, checkpointing] = " ".join(t.get_text() for axis in figure.axes for t in axis.texts)
+        plt.close(figure)
+    assert "64 devices, but the cluster has 32" in said[8, 8, 1, "selective"]
+    assert "cannot run: needs" in said[1, 1, 1, "selective"] and "GB over the device's 80.00 GB" in said[1, 1, 1, "selective"]
+    assert said[8, 4, 1, "selective"] == ""  # the lesson's first choice fits: bars and a step time
+
+
 def test_search_with_free_links_puts_pipelines_last_and_splits_compute():
     free = Cluster(devices_per_node=2, nodes=1, memory=1e12, flops=1e12, intra_latency=0, intra_bandwidth=float("inf"))
     model = Model(layers=4, hidden=64, heads=4, seq=64, vocab=128)

@@ -16,7 +16,8 @@ KINDS = ("parameters", "gradients", "optimizer", "reductions", "activations", "t
 def draw_plan(model: Model, cluster: Cluster, config: Config):
     """Left: bytes per pipeline rank, stacked by kind, against the device's memory. Right:
     one step's seconds: compute, exposed communication by group, bubble. A configuration that
-    cannot run is drawn as its reasons."""
+    cannot run is drawn as its reasons; one whose bytes do not fit keeps its bars, and says so
+    where its step time would be."""
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.2), gridspec_kw={"width_ratios": [max(config.pp, 2), 3]})
     try:
         stages = [memory(model, cluster, config, r) for r in range(config.pp)]
@@ -34,6 +35,12 @@ def draw_plan(model: Model, cluster: Cluster, config: Config):
     left.axhline(cluster.memory / 1e9, color="k", ls="--", lw=1, label="device memory")
     left.set(xlabel="pipeline rank", ylabel="GB per device (model)", xticks=range(config.pp))
     left.legend(fontsize=7)
+    worst = max(stages, key=lambda s: s.peak)
+    if worst.fits is False:
+        right.axis("off")
+        right.text(0, 0.5, f"{config}\ncannot run: {worst.over(cluster)}", fontsize=8, va="center", wrap=True)
+        figure.tight_layout()
+        return figure
     parts = [("compute", time.compute)] + [(f"{g} exposed", s) for g, s in time.exposed.items()] + [("bubble", time.bubble)]
     start = 0.0
     for name, seconds in parts:

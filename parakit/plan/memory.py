@@ -55,6 +55,11 @@ class Memory:
     backward: float = 0.0
     fits: bool | None = None
 
+    def over(self, cluster: Cluster) -> str:
+        """Why this rank does not fit one of `cluster`'s devices, in one sentence."""
+        return (f"needs {self.peak / 1e9:.2f} GB on pipeline rank {self.stage}, {(self.peak - cluster.memory) / 1e9:.2f} "
+                f"GB over the device's {cluster.memory / 1e9:.2f} GB")
+
     @property
     def peak(self) -> float:
         total = sum(self.items.values())

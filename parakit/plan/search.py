@@ -59,10 +59,7 @@ def search(model: Model, cluster: Cluster, global_batch: int, microbatch_sizes=(
             rejected.append(Candidate(config, reasons=tuple(err.reasons)))
             continue
         if not mem.fits:
-            over = mem.peak - cluster.memory
-            rejected.append(Candidate(config, mem.peak, reasons=(
-                f"needs {mem.peak / 1e9:.2f} GB on pipeline rank {mem.stage}, {over / 1e9:.2f} GB over the "
-                f"device's {cluster.memory / 1e9:.2f} GB",)))
+            rejected.append(Candidate(config, mem.peak, reasons=(mem.over(cluster),)))
             continue
         fits.append(Candidate(config, mem.peak, step_time(model, cluster, config).total))
     fits.sort(key=lambda c: (c.seconds, c.peak))
