@@ -167,7 +167,7 @@ def timed_hook(hook, events: list):
 
     def clock(device: torch.device):
         if device not in clocks:
-            clocks[device] = CudaClock(device) if device.type == "cuda" else _CPU_CLOCK
+            clocks[device] = devices.CudaClock(device) if device.type == "cuda" else _CPU_CLOCK
         return clocks[device]
 
     if devices.device().type == "cuda":
@@ -192,52 +192,6 @@ class _CpuClock:
 
 
 _CPU_CLOCK = _CpuClock()
-
-
-class CudaClock:
-    """CUDA events on `device` in time.perf_counter() seconds: an anchor event recorded while
-    the GPU is idle marks a known perf_counter time, and an event's seconds are the anchor's
-    plus the GPU's time between them."""
-
-    def __init__(self, device: torch.device):
-        torch.cuda.synchronize(device)
-        self.anchor = torch.cuda.Event(enable_timing=True)
-        self.anchor.record()
-        self.anchor.synchronize()
-        self.at = time.perf_counter()
-
-    def stamp(self) -> torch.cuda.Event:
-        """An event recorded on the current stream: it completes when the GPU gets there."""
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, event: torch.cuda.Event) -> float:
-        event.synchronize()
-        return self.at + self.anchor.elapsed_time(event) / 1e3
-
-    def span(self, start, end) -> "CudaSpan":
-        return CudaSpan(self, start, end)
-
-
-class CudaSpan:
-    """(start, end) of a reduction as two CUDA events: unpacked, indexed or pickled, the two
-    perf_counter seconds (waiting for the GPU to run them)."""
-
-    def __init__(self, clock: CudaClock, start, end):
-        self.clock, self.start, self.end = clock, start, end
-
-    def __iter__(self):
-        return iter((self.clock.seconds(self.start), self.clock.seconds(self.end)))
-
-    def __getitem__(self, i):
-        return tuple(self)[i]
-
-    def __reduce__(self):
-        return tuple, (tuple(self),)
-
-    def __repr__(self):
-        return repr(tuple(self))
 
 
 class _Bucket:

@@ -1,4 +1,6 @@
-"""Devices: the one this rank computes on, the backend rule, and the memory each device holds.
+"""Devices: the one this rank computes on, the backend rule, the memory each device holds, and
+the clock of a rank's GPU (`CudaClock`: CUDA events read in perf_counter seconds, for work
+the GPU runs after the call that queued it returned; DDP's and the pipeline runtime's timings).
 
 The rule every technique and the launcher follow: NCCL with one GPU per rank where there
 are enough GPUs (`select_backend`), else gloo on the CPU. Under NCCL each rank works on its
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import weakref
 from typing import Sequence
 
@@ -29,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 from parakit import emulation
 
 __all__ = ["device", "accelerator", "join", "resolve_backend", "select_backend", "resolve_devices", "MemoryMeter",
-           "on_device", "where", "to_device", "copying_to", "current_meter"]
+           "on_device", "where", "to_device", "copying_to", "current_meter", "CudaClock", "CudaSpan"]
 
 BACKEND_ENV = "PARAKIT_BACKEND"  # what backend 'auto' means on a real machine, where set (resolve_backend)
 _local = threading.local()  # per thread: .meter (the MemoryMeter measuring), .target (a copy's device)
@@ -284,3 +287,48 @@ class on_device:
             c.__exit__(*exc)
         _local.meter, _local.target = self.saved
 
+
+class CudaClock:
+    """CUDA events on `device` in time.perf_counter() seconds: an anchor event recorded while
+    the GPU is idle marks a known perf_counter time, and an event's seconds are the anchor's
+    plus the GPU's time between them."""
+
+    def __init__(self, device: torch.device):
+        torch.cuda.synchronize(device)
+        self.anchor = torch.cuda.Event(enable_timing=True)
+        self.anchor.record()
+        self.anchor.synchronize()
+        self.at = time.perf_counter()
+
+    def stamp(self) -> torch.cuda.Event:
+        """An event recorded on the current stream: it completes when the GPU gets there."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, event: torch.cuda.Event) -> float:
+        event.synchronize()
+        return self.at + self.anchor.elapsed_time(event) / 1e3
+
+    def span(self, start, end) -> "CudaSpan":
+        return CudaSpan(self, start, end)
+
+
+class CudaSpan:
+    """(start, end) of a reduction as two CUDA events: unpacked, indexed or pickled, the two
+    perf_counter seconds (waiting for the GPU to run them)."""
+
+    def __init__(self, clock: CudaClock, start, end):
+        self.clock, self.start, self.end = clock, start, end
+
+    def __iter__(self):
+        return iter((self.clock.seconds(self.start), self.clock.seconds(self.end)))
+
+    def __getitem__(self, i):
+        return tuple(self)[i]
+
+    def __reduce__(self):
+        return tuple, (tuple(self),)
+
+    def __repr__(self):
+        return repr(tuple(self))

@@ -31,8 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parakit.comm import P2PBatch, post_batch
-from parakit.ddp import CudaClock
-from parakit.devices import device
+from parakit.devices import CudaClock, device
 from parakit.pipeline.actions import Action, Op
 from parakit.pipeline.schedules import CHUNKS, SCHEDULES, Schedule, build_schedule
 from parakit.pipeline.simulate import Event, Timeline, batches, check_schedule
