@@ -61,8 +61,11 @@ class Measured:
 def measure(fn, *args, memory: bool = True) -> Measured:
     """Run `fn(*args)` on this rank and measure it; collective: every rank of the default
     group must call it (it starts with a barrier). The peak is this rank's device's alone
-    (`rank_meter`)."""
+    (`rank_meter`). The meters are dispatch modes, and PyTorch imports torch._dynamo at the
+    first operator that passes one (about 1 s): done before the clock starts, so that a
+    process's first measured call is not slowed by it (lesson 09's read 1,719 ms, 100 later)."""
     dist.barrier()
+    import torch._dynamo  # noqa: F401  (a dispatch mode's first operator imports it, about 1 s: not in the timing)
     meter = rank_meter() if memory else None
     with CommLog() as log, CallCounter() as counter:
         start = time.perf_counter()

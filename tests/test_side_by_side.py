@@ -139,6 +139,26 @@ def metered_on_own_device(nbytes):
     return measured.result[0], measured.peak
 
 
+FIRST_MEASURE = """
+import json, sys, parakit, torch
+from parakit import side_by_side
+
+def first_call_finds_dynamo_imported():
+    return side_by_side.measure(lambda: "torch._dynamo" in sys.modules and torch.ones(2) + 1 is not None).result
+
+if __name__ == "__main__":
+    print(json.dumps(parakit.launch(first_call_finds_dynamo_imported, world_size=2)))
+"""
+
+
+def test_a_processs_first_measured_call_does_not_pay_for_importing_torch_dynamo(tmp_path):
+    """A dispatch mode's first operator imports torch._dynamo (about 1 s in a fresh rank):
+    measure imports it before its clock starts (a fresh interpreter: no rank has it yet)."""
+    done = run_script(tmp_path, FIRST_MEASURE)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [True, True]
+
+
 def test_measure_meters_each_ranks_own_device_only():
     for rank, (covered, peak) in enumerate(parakit.launch(metered_on_own_device, 4096, world_size=4)):
         assert covered == [torch.device("cpu", rank)], (rank, covered)   # not every device, not device 0
