@@ -705,15 +705,16 @@ def moe_routing(experts: int = 4, k: int = 1, capacity_factor: float = 1.25, tok
     return ax.figure
 
 
-def load_over_steps(runs: dict[str, Sequence[Sequence[int]]], *, what: str, title: str):
+def load_over_steps(runs: dict[str, Sequence[Sequence[int]]], *, what: str, even: float, title: str):
     """One panel per run: `runs[name][step][i]` tokens handled by expert (or rank) i at each
-    step, a line each, with the even share dotted."""
+    step, a line each, with `even` dotted: the even share, every choice made spread evenly
+    (kept or dropped, so not the mean of what was kept)."""
     fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 3.2), sharey=True, squeeze=False)
     for ax, (name, rows) in zip(axes[0], runs.items()):
         columns = list(zip(*rows))
         for i, column in enumerate(columns):
             ax.plot(range(len(rows)), column, lw=1.2, label=f"{what} {i}")
-        ax.axhline(sum(rows[0]) / len(rows[0]), color="black", linestyle=":", label="even share")
+        ax.axhline(even, color="black", linestyle=":", label=f"even share ({even:g})")
         ax.set_xlabel("step")
         ax.set_title(name, fontsize=9)
     axes[0][0].set_ylabel(f"tokens per {what}")
