@@ -88,17 +88,29 @@ def test_moe_layer_is_the_gated_sum_of_its_experts_token_by_token():
     assert layer.routings[0].dropped() + layer.routings[1].dropped() > 0  # capacity 1.0 with 2 choices drops some
 
 
+def test_normalized_gates_are_a_softmax_over_the_chosen_experts_logits_as_mixtrals():
+    torch.manual_seed(0)
+    plain, mixtral = moe.Router(8, 6, k=2), moe.Router(8, 6, k=2, normalize_gates=True)
+    mixtral.load_state_dict(plain.state_dict())
+    x = torch.randn(10, 8)
+    a, b = plain.route(x), mixtral.route(x)
+    assert torch.equal(a.experts, b.experts) and torch.equal(a.slots, b.slots)  # the same choices and places
+    assert (a.gates.sum(-1) < 1).all()  # GShard's: probabilities under the softmax over all 6
+    torch.testing.assert_close(b.gates, a.logits.gather(-1, a.experts).softmax(-1))
+    torch.testing.assert_close(b.gates.sum(-1), torch.ones(10))
+
+
 # ---------------------------------------------------------------- expert parallelism on real ranks
 
-def _ep_against_one_process(seed, hidden, ffn, num_experts, k, capacity_factor, tokens):
+def _ep_against_one_process(seed, hidden, ffn, num_experts, k, capacity_factor, tokens, normalize=False):
     """EP on this rank's tokens against MoE in this process on every rank's tokens (groups = n)."""
     n, rank = dist.get_world_size(), dist.get_rank()
     draw = torch.Generator().manual_seed(seed)
     x_all, upstream = torch.randn(n * tokens, hidden, generator=draw), torch.randn(n * tokens, hidden, generator=draw)
     torch.manual_seed(seed)
-    reference = moe.MoE(hidden, ffn, num_experts, k, capacity_factor)
+    reference = moe.MoE(hidden, ffn, num_experts, k, capacity_factor, normalize_gates=normalize)
     torch.manual_seed(seed)
-    layer = moe.ExpertParallelMoE(hidden, ffn, num_experts, k, capacity_factor)
+    layer = moe.ExpertParallelMoE(hidden, ffn, num_experts, k, capacity_factor, normalize_gates=normalize)
     x = x_all.chunk(n)[rank].clone().requires_grad_()
     with parakit.CommLog() as forward:
         y = layer(x)
@@ -140,10 +152,11 @@ def _ep_against_one_process(seed, hidden, ffn, num_experts, k, capacity_factor, 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_expert_parallel_layer_equals_one_process_in_outputs_gradients_and_drops(world_size):
     seen_drops = 0
-    for num_experts, k, capacity_factor, tokens in [(4, 1, 1.0, 12), (8, 2, 1.25, 10), (world_size, 2, 0.5, 7)]:
+    for num_experts, k, capacity_factor, tokens, normalize in [(4, 1, 1.0, 12, False), (8, 2, 1.25, 10, False),
+                                                               (world_size, 2, 0.5, 7, False), (8, 2, 1.25, 10, True)]:
         seed = random.randrange(2**31)
         results = parakit.launch(_ep_against_one_process, seed, 8, 12, num_experts, k, capacity_factor, tokens,
-                                 world_size=world_size)
+                                 normalize, world_size=world_size)
         sent = sum(kept for kept, _, _ in results)
         assert sent == sum(received for _, received, _ in results)  # every row sent is received once
         seen_drops += sum(d for _, _, d in results)

@@ -61,12 +61,13 @@ def weigh_and_sum(y: torch.Tensor, order: torch.Tensor, gates: torch.Tensor, tok
 
 class MoE(nn.Module):
     """Router and E experts in one process. After a forward: `routings` (one per group),
-    `aux_loss` and `router_z_loss` (each the mean over groups)."""
+    `aux_loss` and `router_z_loss` (each the mean over groups). `normalize_gates`: see Router."""
 
-    def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, k: int = 1, capacity_factor: float = 1.25):
+    def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, k: int = 1, capacity_factor: float = 1.25,
+                 normalize_gates: bool = False):
         super().__init__()
         self.hidden = hidden
-        self.router = Router(hidden, num_experts, k, capacity_factor)
+        self.router = Router(hidden, num_experts, k, capacity_factor, normalize_gates)
         self.experts = nn.ModuleList(ExpertMLP(hidden, ffn_hidden) for _ in range(num_experts))
         self.routings: list[Routing] = []
 

@@ -121,17 +121,17 @@ class ExpertParallelMoE(nn.Module):
     """MoE with its experts split over `group` (None: the world): each rank keeps the router and
     E/n experts, routes its own tokens, and runs its experts on every rank's tokens for them.
 
-    Made from the same random draws as `MoE(hidden, ffn_hidden, num_experts, k, capacity_factor)`
-    (the whole layer is drawn, then this rank keeps its slice), so from the same seed the two
-    hold the same weights. After a forward: `routing`, `recv_counts` [n, E/n], `aux_loss`,
+    Made from the same random draws as `MoE(hidden, ffn_hidden, num_experts, k, capacity_factor,
+    normalize_gates)` (the whole layer is drawn, then this rank keeps its slice), so from the
+    same seed the two hold the same weights. After a forward: `routing`, `recv_counts` [n, E/n], `aux_loss`,
     `router_z_loss`."""
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, k: int = 1, capacity_factor: float = 1.25,
-                 group=None):
+                 group=None, normalize_gates: bool = False):
         super().__init__()
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         per_rank = check_divisible(num_experts, n)
-        whole = MoE(hidden, ffn_hidden, num_experts, k, capacity_factor)
+        whole = MoE(hidden, ffn_hidden, num_experts, k, capacity_factor, normalize_gates)
         self.hidden, self.num_experts, self.group = hidden, num_experts, group
         self.first_expert = rank * per_rank
         self.router = whole.router

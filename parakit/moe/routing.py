@@ -1,7 +1,8 @@
 """Routing tokens to experts: a linear router, a softmax, the top k, and each expert's capacity.
 
     probs    = softmax(x @ W_r.T)                      [tokens, E]
-    experts  = the k largest probs' indices            [tokens, k]   gates: those probs
+    experts  = the k largest probs' indices            [tokens, k]   gates: those probs (renormalised
+                                                                     to sum to 1: normalize_gates)
     slots    = each (token, choice)'s place in its expert's buffer, -1 where dropped
     capacity = ceil(capacity_factor * tokens * k / E)   places per expert
 
@@ -103,12 +104,19 @@ class Routing:
 
 class Router(nn.Module):
     """A linear router (no bias): `forward(x)` gives the logits [tokens, E]; `route(x)` the
-    Routing of tokens x [tokens, hidden] (softmax, top-k, capacity)."""
+    Routing of tokens x [tokens, hidden] (softmax, top-k, capacity).
 
-    def __init__(self, hidden: int, num_experts: int, k: int = 1, capacity_factor: float = 1.25):
+    The gates are the chosen experts' probabilities under the softmax over all E experts, as
+    GShard and Switch Transformers weigh them (they sum to less than 1 for k < E). With
+    `normalize_gates=True` they are renormalised over the k chosen (divided by their sum), as
+    Mixtral's are: the same as a softmax over the k chosen logits."""
+
+    def __init__(self, hidden: int, num_experts: int, k: int = 1, capacity_factor: float = 1.25,
+                 normalize_gates: bool = False):
         super().__init__()
         expert_capacity(1, num_experts, k, capacity_factor)  # bad sizes fail here, with what to change
         self.num_experts, self.k, self.capacity_factor = num_experts, k, capacity_factor
+        self.normalize_gates = normalize_gates
         self.weight = nn.Parameter(nn.Linear(hidden, num_experts, bias=False).weight.detach())  # [E, hidden]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,4 +130,6 @@ class Router(nn.Module):
         probs = logits.float().softmax(-1).to(x.dtype)
         capacity = expert_capacity(x.shape[0], self.num_experts, self.k, self.capacity_factor)
         experts, gates, slots = top_k_route(probs, self.k, capacity)
+        if self.normalize_gates:
+            gates = gates / gates.sum(-1, keepdim=True)  # [tokens, k], each row summing to 1
         return Routing(experts, gates, slots, logits, probs, capacity)
