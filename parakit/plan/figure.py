@@ -34,7 +34,7 @@ def draw_plan(model: Model, cluster: Cluster, config: Config):
         bottom = [b + v for b, v in zip(bottom, values)]
     left.axhline(cluster.memory / 1e9, color="k", ls="--", lw=1, label="device memory")
     left.set(xlabel="pipeline rank", ylabel="GB per device (model)", xticks=range(config.pp))
-    left.legend(fontsize=7)
+    left.legend(fontsize=7, ncol=4, loc="lower left", bbox_to_anchor=(0, 1.02), frameon=False)  # above: off the bars
     worst = max(stages, key=lambda s: s.peak)
     if worst.fits is False:
         right.axis("off")
