@@ -237,6 +237,8 @@ def test_committed_lessons_match_the_solutions():
 
 # ---------------------------------------------------------------------------- validate
 
+@pytest.mark.timeout(1800)  # a hang bound: two whole notebooks, 45 s for 01 and 02 together on an idle machine;
+# beside two busy loops and a grading run, 02's and 03's passed the suite's 600 s (two fresh-clone runs)
 def test_solution_passes_validate_and_untouched_lesson_passes_validate_invert(built):
     # the course's 300 s a cell, a bound on a hang only: the panels' short per-cell limits are
     # for their hanging students, and the toy's 15 s was passed by a kernel importing torch under load
