@@ -8,7 +8,7 @@ import json
 import pytest
 
 from parakit.plan import (Cluster, Config, Model, PlanError, in_flight, layer_activation_bytes, memory, search, stage_params,
-                          stage_tensors, step_time, zero_layout)
+                          stage_tensors, step_time, traffic, zero_layout)
 from parakit.plan.measure import compare, measure, measure_context_parallel, measure_expert_parallel, tiny_model
 from parakit.sequence_parallel import paper_activation_bytes
 from parakit.zero.paper import zero_bytes
@@ -191,11 +191,28 @@ def test_search_with_free_links_puts_pipelines_last_and_splits_compute():
     assert [c.config.pp for c in fits][-1] == 2 and fits[-1].seconds > fits[0].seconds  # the bubble
 
 
+def test_zero_traffic_per_micro_batch_stage_1_reduces_once_stage_2_and_3_every_backward():
+    """m micro-batches: ZeRO-1 accumulates whole gradients, ZeRO-2 keeps only its segment (one
+    reduce-scatter per backward), ZeRO-3 gathers twice and reduces once per micro-batch."""
+    model = tiny_model()
+    for stage, reduces, gathers in ((1, [1, 1], [1, 1]), (2, [1, 3], [1, 1]), (3, [1, 3], [2, 6])):
+        counts = [{op: sum(t.count for t in traffic(model, Config(dp=2, zero=stage, microbatches=m)) if t.op == op)
+                   for op in ("reduce_scatter", "all_gather")} for m in (1, 3)]
+        per_bucket = [counts[0]["reduce_scatter"]] * 2 if stage < 3 else [1, 1]
+        assert [c["reduce_scatter"] for c in counts] == [r * b for r, b in zip(reduces, per_bucket)], stage
+        assert [c["all_gather"] for c in counts] == [g * b for g, b in zip(gathers, per_bucket)], stage
+
+
+def test_measure_refuses_zero_1_or_2_with_micro_batches_and_says_what_to_do():
+    with pytest.raises(ValueError, match="ShardedOptimizer reduces as the first backward ends.*microbatches=1"):
+        measure(tiny_model(), Config(dp=2, zero=2, microbatches=2, microbatch=4, dtype="fp32"))
+
+
 MEASURED = [Config(dp=2, microbatches=2, microbatch=4, dtype="fp32", ddp_buckets=True),
             Config(tp=2, microbatches=2, microbatch=4, dtype="fp32", ddp_buckets=True),
             Config(pp=2, microbatches=2, microbatch=4, dtype="fp32", ddp_buckets=True),
             Config(dp=2, zero=1, microbatch=8, dtype="fp32"),
-            Config(dp=2, zero=3, microbatch=8, dtype="fp32"),
+            Config(dp=2, zero=3, microbatches=2, microbatch=4, dtype="fp32"),
             Config(dp=2, tp=2, microbatches=2, microbatch=4, dtype="fp32", checkpointing="full", ddp_buckets=True),
             Config(dp=2, zero=2, microbatch=8, dtype="fp32"),
             Config(pp=2, microbatches=4, microbatch=2, schedule="gpipe", dtype="fp32", ddp_buckets=True),

@@ -82,10 +82,11 @@ def run_config(model: Model, config: Config) -> dict:
             if replica is not None:
                 dp_pp_step(net, balance, ids, target, _lm_loss, pp_group=mesh.pp_group, replica=replica,
                            schedule=config.schedule, num_microbatches=config.microbatches)
-            else:
-                _lm_loss(net(ids), target).backward()
-                if config.zero == 3:
-                    net.finish_gradient_synchronization()
+            else:  # ZeRO: each micro-batch's forward and backward, the gradients accumulated
+                for ids_m, target_m in zip(ids.chunk(config.microbatches), target.chunk(config.microbatches)):
+                    (_lm_loss(net(ids_m), target_m) / config.microbatches).backward()
+                    if config.zero == 3:
+                        net.finish_gradient_synchronization()
             optimizer.step()
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}  # views count once
     return {"written": log.written_bytes(), "wire": log.wire_bytes(), "peak": meter.peaks()[0], "stage": mesh.pp_rank,
@@ -95,6 +96,10 @@ def run_config(model: Model, config: Config) -> dict:
 
 def measure(model: Model, config: Config) -> list[dict]:
     """`run_config` on dp x pp x cp x tp ranks of gloo; one dict per rank."""
+    if config.zero in (1, 2) and config.microbatches > 1:
+        raise ValueError(f"ZeRO-{config.zero} with {config.microbatches} micro-batches: parakit's ShardedOptimizer "
+                         f"reduces as the first backward ends (stage 2 refuses a second); measure it at microbatches=1, "
+                         f"or accumulate with zero=3 or zero=0")
     return launch(run_config, model, config, world_size=config.devices, backend="gloo")
 
 

@@ -105,7 +105,9 @@ class Config:
         if self.sp:
             parts.append("sp")
         if self.pp > 1:
-            parts.append(f"{self.schedule}" + (f" v{self.v}" if self.v > 1 else "") + f" m{self.microbatches}")
+            parts.append(f"{self.schedule}" + (f" v{self.v}" if self.v > 1 else ""))
+        if self.pp > 1 or self.microbatches > 1:
+            parts.append(f"m{self.microbatches}")
         parts += [f"mb{self.microbatch}", f"zero{self.zero}", self.dtype]
         if self.checkpointing != "none":
             parts.append(f"ckpt-{self.checkpointing}")

@@ -126,8 +126,11 @@ def _zero_traffic(tensors: list[int], n: int, stage: int, element: int, m: int, 
     (`plan.memory.zero_layout`): each bucket's [n x chunk] gradients reduce-scattered from
     backward and its updated segments all-gathered after the step, the paper's 2 Psi (n-1)/n
     on NCCL; on gloo parakit all-reduces the bucket instead (2 (n-1) chunk) and lays it out by
-    owners, padded. Stage 3: 3 Psi (on gloo the reduction is an all-reduce: 4 Psi), and every further
-    micro-batch gathers the parameters twice more."""
+    owners, padded. With m micro-batches, stage 1 accumulates whole gradients and reduces once;
+    stage 2 keeps only its segment, so it reduces after every micro-batch's backward (m times; as
+    DeepSpeed does: parakit's ShardedOptimizer refuses to accumulate at stage 2). Stage 3: 3 Psi
+    per micro-batch (gathered for forward and again for backward, reduced after it; on gloo the
+    reduction is an all-reduce: 4 Psi), as zero.FullyShardedDataParallel runs it."""
     psi = sum(tensors)
     if stage == 0:
         sent = zero_comm_bytes(psi, n, stage, element)
@@ -136,11 +139,12 @@ def _zero_traffic(tensors: list[int], n: int, stage: int, element: int, m: int, 
         layout = zero_layout(tuple(tensors), n, element, backend == "gloo")
         reduce = "all_reduce" if backend == "gloo" else "reduce_scatter"
         sizes = Counter(n * chunk * element for chunk in layout.chunks)
-        return [Traffic("dp", op, nbytes, count, n, overlap) for nbytes, count in sorted(sizes.items())
-                for op, overlap in ((reduce, "backward"), ("all_gather", ""))]
+        reduces = m if stage == 2 else 1
+        return [Traffic("dp", op, nbytes, count * times, n, overlap) for nbytes, count in sorted(sizes.items())
+                for op, overlap, times in ((reduce, "backward", reduces), ("all_gather", "", 1))]
     gather = psi * element
     reduce = "all_reduce" if backend == "gloo" else "reduce_scatter"  # as zero.FullyShardedDataParallel chooses
-    scatter = Traffic("dp", reduce, gather, 1, n, "backward")
+    scatter = Traffic("dp", reduce, gather, m, n, "backward")
     return [Traffic("dp", "all_gather", gather, 2 * m, n, "forward"), scatter]
 
 
