@@ -104,10 +104,12 @@ def launch(fn, *args, world_size: int, backend: str = "auto", timeout: float = D
         return _pool(world_size, backend).run(task_id, prefix, blob, float(timeout))
 
 
-def shutdown() -> None:
-    """Stop every pool's workers (they restart on the next call)."""
-    for pool in list(_POOLS.values()):
-        pool.stop()
+def shutdown(world_size: int | None = None) -> None:
+    """Stop every pool's workers, or only the pools of `world_size` ranks (they restart on the
+    next call)."""
+    for (size, _), pool in list(_POOLS.items()):
+        if world_size in (None, size):
+            pool.stop()
 
 
 def _check_arguments(world_size, timeout) -> None:

@@ -15,7 +15,8 @@ LAYERS = {
     "base": ("parakit.groups", "parakit.devices", "parakit.comm", "parakit.emulation"),
     "technique": ("parakit.dp", "parakit.ddp", "parakit.zero", "parakit.pipeline", "parakit.checkpoint",
                   "parakit.tensor_parallel", "parakit.parallel3d", "parakit.mesh", "parakit.sequence_parallel",
-                  "parakit.context_parallel", "parakit.ulysses", "parakit.moe", "parakit.precision"),
+                  "parakit.context_parallel", "parakit.ulysses", "parakit.moe", "parakit.precision",
+                  "parakit.state", "parakit.clip", "parakit.text"),
     "top": ("parakit", "parakit.launcher", "parakit._worker", "parakit.magic", "parakit.grading", "parakit.viz",
             "parakit.train", "parakit.torchrun", "parakit.side_by_side", "parakit.plan"),
 }
