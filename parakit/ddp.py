@@ -52,9 +52,11 @@ _UNFINISHED = ("the gradients of the last backward were not synchronised: call "
 
 
 class _DataParallel(nn.Module):
-    """What the four wrappers share: checks, broadcasts, gradient hooks, no_sync."""
+    """What the four wrappers share: checks, broadcasts, gradient hooks, no_sync.
+    `check_parameters=False` skips the check that every rank wraps the same model (one
+    all_gather_object of the parameters' names, shapes and dtypes)."""
 
-    def __init__(self, module: nn.Module, process_group=None):
+    def __init__(self, module: nn.Module, process_group=None, check_parameters: bool = True):
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(f"{type(self).__name__} needs a process group: call dist.init_process_group() "
@@ -64,7 +66,8 @@ class _DataParallel(nn.Module):
         self.module = module
         self.process_group = dist.group.WORLD if process_group is None else process_group
         self.world_size = dist.get_world_size(self.process_group)
-        _check_same_parameters(module, self.process_group)
+        if check_parameters:
+            _check_same_parameters(module, self.process_group)
         broadcast_from_first(list(module.parameters()) + list(module.buffers()), self.process_group)
         self._params = [p for p in module.parameters() if p.requires_grad]  # parameters() yields a tied one once
         self._ready: set[int] = set()  # ids of the parameters whose hook fired since the last finish
@@ -137,7 +140,8 @@ class NaiveDDP(_DataParallel):
 
 def allreduce_hook(flat: torch.Tensor, group) -> torch.futures.Future:
     """Sends: an async all-reduce (sum) of `flat` (numel x itemsize bytes) over `group`.
-    Returns a future whose value is the reduced `flat`."""
+    Returns a future whose value is the reduced `flat`. A hook may return any object whose
+    wait() gives the reduced tensor: a bucket only waits on it."""
     work = dist.all_reduce(flat, group=group, async_op=True)
     return work.get_future().then(lambda _: flat)
 
@@ -242,16 +246,19 @@ class _Bucket:
 
 
 class FlatDDP(_DataParallel):
-    """One all-reduce of every gradient flattened into one buffer, after backward."""
+    """One all-reduce of every gradient flattened into one buffer, after backward;
+    `comm_hook` reduces it (see allreduce_hook)."""
 
-    def __init__(self, module: nn.Module, process_group=None):
-        super().__init__(module, process_group)
+    def __init__(self, module: nn.Module, process_group=None, check_parameters: bool = True,
+                 comm_hook=allreduce_hook):
+        super().__init__(module, process_group, check_parameters)
         self._bucket = _Bucket(self._params) if self._params else None
+        self.comm_hook = comm_hook
 
     def finish_gradient_synchronization(self):
         """Sends: one all-reduce of all gradients (sum of numel x itemsize bytes) over the group."""
         if self._ready and self._bucket is not None:
-            self._bucket.launch(allreduce_hook, self.process_group, self.world_size)
+            self._bucket.launch(self.comm_hook, self.process_group, self.world_size)
             self._bucket.unpack()
         super().finish_gradient_synchronization()
 
@@ -262,8 +269,8 @@ class FlatDDP(_DataParallel):
 class OverlapDDP(_DataParallel):
     """An async all-reduce per parameter as soon as its gradient is accumulated."""
 
-    def __init__(self, module: nn.Module, process_group=None):
-        super().__init__(module, process_group)
+    def __init__(self, module: nn.Module, process_group=None, check_parameters: bool = True):
+        super().__init__(module, process_group, check_parameters)
         self._pending: list[tuple[nn.Parameter, dist.Work]] = []
 
     def _on_grad_ready(self, param):
@@ -314,17 +321,18 @@ def _parameters_reached(output) -> set[int]:
 
 
 class BucketedDDP(_DataParallel):
-    """Buckets of gradients, each all-reduced asynchronously as soon as it is full."""
+    """Buckets of gradients, each reduced asynchronously by `comm_hook` as soon as it is full."""
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float | None = 25.0, process_group=None):
+    def __init__(self, module: nn.Module, bucket_size_mb: float | None = 25.0, process_group=None,
+                 check_parameters: bool = True, comm_hook=allreduce_hook):
         if bucket_size_mb is not None and not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be > 0 (or None for one bucket), got {bucket_size_mb}")
-        super().__init__(module, process_group)
+        super().__init__(module, process_group, check_parameters)
         self.buckets = [_Bucket(params) for params in assign_buckets(self._params, bucket_size_mb)]
         self._place = {id(p): (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
         self._next = 0  # the next bucket to launch: buckets go in order, the same on every rank
         self._unused: set[int] = set()  # ids of the parameters the last forward's output does not reach
-        self.comm_hook = allreduce_hook
+        self.comm_hook = comm_hook
 
     def register_comm_hook(self, hook) -> None:
         """Reduce each bucket with `hook(flat, group) -> Future[Tensor]` (see allreduce_hook)."""

@@ -34,10 +34,15 @@ from parakit import comm, launcher
 
 from parakit.grading.jail import Tripwire
 
-__all__ = ["check", "check_local", "InputContext", "Traffic", "Tripwire", "compare_values", "compare_traffic",
-           "compare_overlap", "kind_of", "SEALED"]
+__all__ = ["check", "check_local", "InputContext", "Traffic", "Tripwire", "OrderDiffers", "compare_values",
+           "compare_traffic", "compare_overlap", "kind_of", "SEALED"]
 
 SEALED: list = []  # while the sealed judge runs a test cell: its `Sealed`, which runs the checks instead
+
+
+class OrderDiffers(AssertionError):
+    """A rank's calls, one by one, are not the reference's (`same_order=True`): a test that
+    accepts several orders catches this and tries the next."""
 
 
 def check(student: Callable, reference: Callable, make_inputs: Callable, *, world_sizes: Iterable[int] = (2, 4),
@@ -185,7 +190,7 @@ def compare_traffic(traffic: list[tuple[Traffic, Traffic]], where: str, order: b
     `order`, each rank's calls one by one as the reference's (kind, peer, bytes)."""
     for rank, (mine, theirs) in enumerate(traffic):
         if order and mine.order != theirs.order:
-            raise AssertionError(f"{where}, rank {rank}: {_order_difference(mine.order, theirs.order)}")
+            raise OrderDiffers(f"{where}, rank {rank}: {_order_difference(mine.order, theirs.order)}")
         if mine.collectives != theirs.collectives:
             raise AssertionError(f"{where}, rank {rank}: it called {_calls(mine.collectives)}; the reference calls "
                                  f"{_calls(theirs.collectives)}")
