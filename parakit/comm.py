@@ -91,6 +91,7 @@ class CommRecord:
     measured: int | None = None
     unmeasured: str = ""  # why `measured` is None
     stays: int | None = None  # all-to-all: the input's bytes for this rank itself
+    group_ranks: tuple[int, ...] = ()  # the group's global ranks, ascending (() outside a process group)
 
     @property
     def wire_bytes(self) -> int:
@@ -267,6 +268,7 @@ def _record(name, bound, tensor_args, peer, root_arg, seconds, before, after, as
         unmeasured=why,
         stays=_own_piece(name, bound, dist.get_rank(group) if in_group else 0,
                          dist.get_world_size(group) if in_group else 1),
+        group_ranks=tuple(sorted(dist.get_process_group_ranks(group or dist.group.WORLD))) if in_group else (),
     )
 
 

@@ -11,6 +11,12 @@ replicas outermost (they talk least: once per step). Three kinds of groups:
 The same code runs under parakit.launch and under torchrun on several nodes: the mesh only
 needs an initialised default process group.
 
+`outer="pp"` swaps the two outer sizes: r = (p * dp + d) * tp + t, pipeline stages outermost
+and replicas next, as Megatron-Core's default order (tp-cp-ep-dp-pp, innermost first) and
+torchtitan's mesh ([pp, dp, cp, tp]) lay them out. Which of the two crosses the slow links
+between nodes is the choice: the dp group's gradients (every step, all parameters) or the
+pp group's activations (per micro-batch, one [b, s, h] each way).
+
 A fourth size, cp (context parallelism), sits between pp and tp when asked for: rank
 r = ((d * pp + p) * cp + c) * tp + t, the cp group (fixed d, p, t) passes K and V around
 its ring inside every attention, and the replicas that average gradients are then the
@@ -71,16 +77,23 @@ class Mesh:
     that average gradients (the dp group; dp x cp with cp > 1); with cp > 1 also `cp_group`
     (None without: no context parallelism); with ep > 1 also `ep_group` and
     `expert_replica_group` (None without); `ranks[kind]`, the global ranks of this rank's
-    group of that kind.
+    group of that kind; `outer`, "dp" or "pp" (see the module's docstring).
     """
 
-    def __init__(self, dp: int, pp: int, tp: int, cp: int = 1, ep: int = 1):
+    def __init__(self, dp: int, pp: int, tp: int, cp: int = 1, ep: int = 1, outer: str = "dp"):
         _check_sizes(dp, pp, tp, dist.get_world_size(), cp, ep)
-        self.dp, self.pp, self.tp, self.cp, self.ep = dp, pp, tp, cp, ep
+        if outer not in ("dp", "pp"):
+            raise ValueError(f"outer must be 'dp' (replicas outermost) or 'pp' (pipeline stages outermost), "
+                             f"got {outer!r}")
+        self.dp, self.pp, self.tp, self.cp, self.ep, self.outer = dp, pp, tp, cp, ep, outer
         self.rank = dist.get_rank()
-        sizes = (dp, pp, cp, tp)
-        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = grid_coords(self.rank, sizes)
-        axes = {"dp": [0], "pp": [1], "tp": [3], **({"cp": [2], "replica": [0, 2]} if cp > 1 else {})}
+        names = ("dp", "pp", "cp", "tp") if outer == "dp" else ("pp", "dp", "cp", "tp")  # outermost first
+        sizes, at = tuple(getattr(self, n) for n in names), {n: i for i, n in enumerate(names)}
+        coords = dict(zip(names, grid_coords(self.rank, sizes)))
+        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (coords[n] for n in ("dp", "pp", "cp", "tp"))
+        replica = sorted([at["dp"], at["cp"]])
+        axes = {"dp": [at["dp"]], "pp": [at["pp"]], "tp": [at["tp"]],
+                **({"cp": [at["cp"]], "replica": replica} if cp > 1 else {})}
         self.ranks: dict[str, list[int]] = {}
         self.cp_group = None  # made below when cp > 1
         for kind, along in axes.items():
@@ -90,7 +103,7 @@ class Mesh:
             self.replica_group, self.ranks["replica"] = self.dp_group, self.ranks["dp"]
         self.ep_group = self.expert_replica_group = None  # made below when ep > 1
         if ep > 1:
-            replicas = grid_groups(sizes, [0, 2])  # ascending: d, then c
+            replicas = grid_groups(sizes, replica)  # ascending: d, then c
             self.ep_group, self.ranks["ep"] = new_subgroups([g[i:i + ep] for g in replicas
                                                              for i in range(0, len(g), ep)])
             self.expert_replica_group, self.ranks["expert_replica"] = new_subgroups([g[j::ep] for g in replicas
@@ -107,5 +120,6 @@ class Mesh:
     def __repr__(self) -> str:
         cp = (f", cp={self.cp}" if self.cp > 1 else "") + (f", ep={self.ep}" if self.ep > 1 else "")
         at = f", c={self.cp_rank}" if self.cp > 1 else ""
+        cp += ", outer='pp'" if self.outer == "pp" else ""
         return (f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}{cp}; rank {self.rank} at d={self.dp_rank}, "
                 f"p={self.pp_rank}{at}, t={self.tp_rank})")

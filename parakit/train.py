@@ -52,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="BucketedDDP's bucket size for the dp all-reduces")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
+    p.add_argument("--outer", default="dp", choices=("dp", "pp"),
+                   help="the outermost mesh dimension (parakit.mesh.Mesh's outer): dp replicas, or pp stages")
     p.add_argument("--backend", default="auto", help="gloo, nccl, or auto: nccl when every rank on this node has a GPU")
     p.add_argument("--save", type=Path, help="folder for a checkpoint after the last step")
     p.add_argument("--resume", type=Path, help="folder of a checkpoint to start from")
@@ -188,7 +190,7 @@ def train(args) -> list[float]:
     if args.ep > 1 and args.experts == 1:
         raise ValueError(f"--ep {args.ep} splits experts, but the model has none: add --experts (a multiple of "
                          f"{args.ep}), or use --ep 1")
-    mesh = Mesh(args.dp, args.pp, args.tp, args.cp, args.ep)
+    mesh = Mesh(args.dp, args.pp, args.tp, args.cp, args.ep, args.outer)
     if args.batch % (args.dp * args.microbatches):
         raise ValueError(f"batch {args.batch} does not split into dp {args.dp} x {args.microbatches} micro-batches: "
                          f"pick a multiple of {args.dp * args.microbatches}")
@@ -221,9 +223,11 @@ def _global_loss(loss, mesh: Mesh) -> float:
     return total.item() / (mesh.dp * mesh.tp * mesh.cp)
 
 
-def _sizes(mesh: Mesh) -> dict[str, int]:
-    """The mesh's sizes as mesh.json records them (cp and ep only where more than 1)."""
-    return {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp, **{k: n for k, n in (("cp", mesh.cp), ("ep", mesh.ep)) if n > 1}}
+def _sizes(mesh: Mesh) -> dict[str, int | str]:
+    """The mesh's sizes as mesh.json records them (cp and ep only where more than 1, the
+    order only where pp is outermost: each rank's file holds its place's stage)."""
+    return {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp, **{k: n for k, n in (("cp", mesh.cp), ("ep", mesh.ep)) if n > 1},
+            **({"outer": "pp"} if mesh.outer == "pp" else {})}
 
 
 def _save(folder: Path, stage, optimizer, step: int, mesh: Mesh) -> None:
@@ -246,9 +250,10 @@ def _load(folder: Path, stage, optimizer, mesh: Mesh) -> int:
                                 f"written by --save")
     saved, asked = json.loads(record.read_text()), _sizes(mesh)
     if saved != asked:
+        hint = {**saved, **({"outer": "dp"} if "outer" in asked and "outer" not in saved else {})}  # undo --outer pp
         raise ValueError(f"checkpoint {folder} was saved on the mesh {' x '.join(f'{k}={n}' for k, n in saved.items())}"
                          f", but this run asks for {' x '.join(f'{k}={n}' for k, n in asked.items())}"
-                         f": resume with {' '.join(f'--{k} {n}' for k, n in saved.items())}")
+                         f": resume with {' '.join(f'--{k} {n}' for k, n in hint.items())}")
     state = torch.load(folder / f"rank{mesh.rank}.pt", map_location=device())
     stage.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])

@@ -56,13 +56,16 @@ def test_sizes_below_one_are_refused(sizes):
 
 # ---------------------------------------------------------------- real process groups
 
-def mesh_sums(dp, pp, tp):
-    mesh = Mesh(dp, pp, tp)
+def mesh_sums(dp, pp, tp, outer="dp"):
+    """Each group's sum of its members' ranks, its members, and the members CommLog records."""
+    from parakit import comm
+    mesh = Mesh(dp, pp, tp, outer=outer)
     sums = {}
     for kind in ("dp", "pp", "tp"):
         x = torch.tensor([float(dist.get_rank())])
-        dist.all_reduce(x, group=getattr(mesh, f"{kind}_group"))
-        sums[kind] = (int(x), mesh.ranks[kind])
+        with comm.CommLog() as log:
+            dist.all_reduce(x, group=getattr(mesh, f"{kind}_group"))
+        sums[kind] = (int(x), mesh.ranks[kind], list(log.records[0].group_ranks))
     return (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank), sums
 
 
@@ -71,9 +74,19 @@ def test_mesh_groups_on_four_ranks_sum_exactly_their_members(sizes):
     groups = mesh_groups(*sizes)
     for rank, (coords, sums) in enumerate(parakit.launch(mesh_sums, *sizes, world_size=4)):
         assert coords == mesh_coords(rank, *sizes)
-        for kind, (total, ranks) in sums.items():
+        for kind, (total, ranks, recorded) in sums.items():
             assert rank in ranks and ranks in groups[kind]
-            assert total == sum(ranks)
+            assert total == sum(ranks) and recorded == ranks
+
+
+def test_with_pp_outermost_stages_are_furthest_apart_and_replicas_next():
+    """r = (p * dp + d) * tp + t: on 8 ranks (dp2 pp2 tp2) the pp groups span both halves."""
+    expected = {"dp": [[0, 2], [1, 3], [4, 6], [5, 7]], "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+                "tp": [[0, 1], [2, 3], [4, 5], [6, 7]]}
+    for rank, (coords, sums) in enumerate(parakit.launch(mesh_sums, 2, 2, 2, "pp", world_size=8)):
+        assert coords == (rank // 2 % 2, rank // 4, rank % 2)
+        for kind, (total, ranks, recorded) in sums.items():
+            assert ranks in expected[kind] and rank in ranks and total == sum(ranks) and recorded == ranks
 
 
 def cp_mesh_sums(dp, tp, cp):
@@ -171,6 +184,14 @@ def test_resuming_on_another_mesh_is_refused_naming_both_meshes(saved_after_thre
     assert set(parakit.launch(trainer_error, argv, world_size=world_size)) == {
         f"checkpoint {folder} was saved on the mesh dp=2 x pp=2 x tp=2, but this run asks for dp={mesh[0]} x "
         f"pp={mesh[1]} x tp={mesh[2]}: resume with --dp 2 --pp 2 --tp 2"}
+
+
+def test_resuming_with_the_other_outermost_dimension_is_refused_naming_it(saved_after_three_steps):
+    folder, _ = saved_after_three_steps
+    argv = steps(1) + TWO_NODE_MESH + ["--outer", "pp", "--resume", str(folder)]
+    assert set(parakit.launch(trainer_error, argv, world_size=8)) == {
+        f"checkpoint {folder} was saved on the mesh dp=2 x pp=2 x tp=2, but this run asks for dp=2 x pp=2 x tp=2 x "
+        f"outer=pp: resume with --dp 2 --pp 2 --tp 2 --outer dp"}
 
 
 def test_a_batch_that_does_not_split_across_replicas_and_microbatches_is_refused():

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from parakit.plan import (Cluster, Config, Model, PlanError, in_flight, layer_activation_bytes, memory, search, stage_params,
-                          stage_tensors, step_time, traffic, zero_layout)
+                          stage_tensors, step_time, traffic, zero_layout, link, problems)
 from parakit.plan.measure import compare, measure, measure_context_parallel, measure_expert_parallel, tiny_model
 from parakit.sequence_parallel import paper_activation_bytes
 from parakit.zero.paper import zero_bytes
@@ -189,6 +189,21 @@ def test_search_with_free_links_puts_pipelines_last_and_splits_compute():
     one = step_time(model, Cluster(1, 1, 1e12, 1e12), Config(microbatches=4)).total
     assert fits[0].seconds == pytest.approx(one / 2)  # by hand: no communication cost, half the work each
     assert [c.config.pp for c in fits][-1] == 2 and fits[-1].seconds > fits[0].seconds  # the bubble
+
+
+def test_the_outermost_of_dp_and_pp_is_the_group_that_crosses_nodes():
+    """dp2 x tp4 x pp2 on 2 nodes of 8: tp4 fills half a node, the middle dimension the other half."""
+    cluster = Cluster(devices_per_node=8, nodes=2, memory=80e9, flops=1e15, intra_bandwidth=400e9, inter_bandwidth=50e9)
+    for outer, across in (("dp", "dp"), ("pp", "pp")):
+        config = Config(dp=2, tp=4, pp=2, microbatches=4, outer=outer)
+        assert {g: link(cluster, config, g, 2)[1] for g in ("dp", "pp")} == {
+            g: 50e9 if g == across else 400e9 for g in ("dp", "pp")}
+    assert str(Config(dp=2, pp=2, microbatches=2, outer="pp")) == "dp2 pp2 1f1b m2 mb1 zero0 bf16 pp-outer"
+    assert problems(GPT3, None, Config(outer="tp")) == ["outer = 'tp': the outermost dimension is 'dp' or 'pp'"]
+    fits, _ = search(Model(layers=4, hidden=64, heads=4, seq=64, vocab=128), cluster, global_batch=8, microbatch_sizes=(1,),
+                     zero_stages=(0,), checkpointing=("none",), outers=("dp", "pp"))
+    both = [c.config for c in fits if c.config.dp > 1 and c.config.pp > 1]
+    assert both and [c.outer for c in both].count("dp") == [c.outer for c in both].count("pp")
 
 
 def test_zero_traffic_per_micro_batch_stage_1_reduces_once_stage_2_and_3_every_backward():

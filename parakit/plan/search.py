@@ -2,7 +2,7 @@
 the ones that fit ordered by predicted step time, the others with their reasons."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 
 from parakit.plan.memory import PlanError, memory
@@ -46,11 +46,14 @@ def _candidates(model: Model, cluster: Cluster, global_batch: int, microbatch_si
 
 
 def search(model: Model, cluster: Cluster, global_batch: int, microbatch_sizes=(1, 2, 4), zero_stages=(0, 1, 2, 3),
-           checkpointing=("none", "selective", "full"), max_pp: int = 8) -> tuple[list[Candidate], list[Candidate]]:
+           checkpointing=("none", "selective", "full"), max_pp: int = 8,
+           outers=("dp",)) -> tuple[list[Candidate], list[Candidate]]:
     """(fitting, rejected): the configurations that fit, fastest first (ties: less memory),
     and the others with each reason (a broken constraint, or the bytes over the device's
     memory). sp is on wherever tp > 1; pipelines try 1F1B and interleaved 1F1B with v = 2;
-    tp stays within a node and pp at most `max_pp` (the space the search walks)."""
+    tp stays within a node and pp at most `max_pp` (the space the search walks); with dp > 1
+    and pp > 1 a fitting configuration is timed with each of `outers` outermost (("dp", "pp"):
+    both; the memory is the same, the links the groups cross are not)."""
     fits, rejected = [], []
     for config in _candidates(model, cluster, global_batch, microbatch_sizes, zero_stages, checkpointing, max_pp):
         try:
@@ -61,6 +64,7 @@ def search(model: Model, cluster: Cluster, global_batch: int, microbatch_sizes=(
         if not mem.fits:
             rejected.append(Candidate(config, mem.peak, reasons=(mem.over(cluster),)))
             continue
-        fits.append(Candidate(config, mem.peak, step_time(model, cluster, config).total))
+        for layout in [replace(config, outer=o) for o in (outers if config.dp > 1 and config.pp > 1 else ("dp",))]:
+            fits.append(Candidate(layout, mem.peak, step_time(model, cluster, layout).total))
     fits.sort(key=lambda c: (c.seconds, c.peak))
     return fits, rejected

@@ -75,7 +75,8 @@ class Config:
     """A parallel configuration. dp x tp x pp x cp devices (ep divides dp x cp: expert
     parallelism reuses those ranks); `v` stages per pipeline rank for "interleaved"/"zbv";
     `microbatches` m per step; `microbatch` sequences each; ZeRO `zero` stage 0-3 over dp;
-    `sp` sequence parallelism on the tp group."""
+    `sp` sequence parallelism on the tp group; `outer` the outermost of dp and pp in the
+    ranks' layout (parakit.mesh.Mesh's `outer`): the one whose groups span the most nodes."""
 
     dp: int = 1
     tp: int = 1
@@ -91,6 +92,7 @@ class Config:
     dtype: str = "bf16"
     checkpointing: str = "none"
     ddp_buckets: bool = False  # gradients also copied into flat buckets (parakit's BucketedDDP; torch DDP by default)
+    outer: str = "dp"
 
     @property
     def devices(self) -> int:
@@ -111,6 +113,8 @@ class Config:
         parts += [f"mb{self.microbatch}", f"zero{self.zero}", self.dtype]
         if self.checkpointing != "none":
             parts.append(f"ckpt-{self.checkpointing}")
+        if self.outer != "dp":
+            parts.append(f"{self.outer}-outer")
         return " ".join(parts)
 
 
@@ -143,6 +147,8 @@ def problems(model: Model, cluster: Cluster | None, config: Config) -> list[str]
     if (config.dp * config.cp) % config.ep:
         out.append(f"ep = {config.ep} must divide dp x cp = {config.dp * config.cp} (remainder "
                    f"{(config.dp * config.cp) % config.ep})")
+    if config.outer not in ("dp", "pp"):
+        out.append(f"outer = {config.outer!r}: the outermost dimension is 'dp' or 'pp'")
     if config.schedule not in SCHEDULES:
         out.append(f"unknown schedule {config.schedule!r}: use one of {', '.join(SCHEDULES)}")
     elif config.pp > 1 and config.schedule in ("1f1b", "interleaved", "zbh1", "zbv") and config.microbatches < config.pp:

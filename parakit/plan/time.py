@@ -68,8 +68,11 @@ class StepTime:
 
 
 def _stride(config: Config, group: str) -> int:
-    inner = {"tp": 1, "cp": config.tp, "ep": config.tp, "pp": config.tp * config.cp,
-             "dp": config.tp * config.cp * config.pp}
+    """The rank distance between neighbours of a group, as parakit.mesh lays ranks out: tp
+    innermost, then cp (ep within the replicas), then pp and dp, `config.outer` outermost."""
+    middle = "pp" if config.outer == "dp" else "dp"
+    inner = {"tp": 1, "cp": config.tp, "ep": config.tp, middle: config.tp * config.cp,
+             config.outer: config.tp * config.cp * getattr(config, middle)}
     return inner[group]
 
 
