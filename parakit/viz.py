@@ -608,6 +608,37 @@ def bytes_1d_vs_3d(ranks: Sequence[int], one_d: Sequence[float], three_d: Sequen
 
 # ---------------------------------------------------------------- lesson 08: long sequences
 
+def ring_attention_steps(n: int = 4, layout: str = "zigzag"):
+    """Causal ring attention on n ranks, step by step: one row per step, one column per rank;
+    each cell names the K, V block the rank holds at that step (its own first, then its left
+    neighbour's, ...) and the chunk pairs it computes with it, full or diagonal (half), from
+    `context_parallel.chunk_ids` and `pair_kind`; darker cells compute more."""
+    from parakit import context_parallel as cp
+    work = {"full": 1.0, "diagonal": 0.5, "skip": 0.0}
+    fig, ax = plt.subplots(figsize=(2.1 * n + 1.5, 0.75 * n + 1.2))
+    for step in range(n):
+        for rank in range(n):
+            owner = (rank - step) % n
+            pairs = [(a, b, cp.pair_kind(a, b, causal=True)) for a in cp.chunk_ids(n, rank, layout)
+                     for b in cp.chunk_ids(n, owner, layout)]
+            done = [f"q{a}k{b}" + ("/2" if kind == "diagonal" else "") for a, b, kind in pairs if kind != "skip"]
+            share = sum(work[kind] for *_, kind in pairs) / len(pairs)
+            ax.add_patch(plt.Rectangle((rank, step), 0.94, 0.9, color=plt.get_cmap("Blues")(0.15 + 0.6 * share)))
+            ax.text(rank + 0.47, step + 0.45, f"K,V of rank {owner}\n{' '.join(done) or 'nothing (masked)'}",
+                    ha="center", va="center", fontsize=7)
+    ax.set_xlim(0, n)
+    ax.set_ylim(n, 0)
+    ax.set_xticks([r + 0.47 for r in range(n)], [f"rank {r}: q{', q'.join(map(str, cp.chunk_ids(n, r, layout)))}"
+                                                 for r in range(n)], fontsize=8)
+    ax.set_yticks([s + 0.45 for s in range(n)], [f"step {s}" for s in range(n)])
+    ax.set_title(f"causal ring attention, {layout} split, {n} ranks: after each step every rank passes its K, V "
+                 f"block to the right", fontsize=9)
+    ax.tick_params(length=0)
+    for side in ("top", "right", "bottom", "left"):
+        ax.spines[side].set_visible(False)
+    return fig
+
+
 def causal_chunks(n: int = 4):
     """The causal attention matrix cut in 2n x 2n chunks (queries down, keys across), each
     chunk coloured by the rank that computes it, for the contiguous and the zig-zag split:

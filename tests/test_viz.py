@@ -91,3 +91,18 @@ def test_every_value_a_lesson_explorer_offers_draws(draw, values):
             raise AssertionError(f"{draw.__name__}({case}) raised {type(error).__name__}: {error}") from None
         finally:
             plt.close("all")
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ring_attention_steps_names_each_steps_block_and_the_pairs_computed(layout):
+    """Rank r holds rank (r - step) mod n's K, V at each step; on 4 ranks the zig-zag split
+    computes two chunk pairs' worth at every step, the contiguous one masks whole steps."""
+    figure = viz.ring_attention_steps(4, layout)
+    texts = [t.get_text() for t in figure.axes[0].texts]
+    plt.close(figure)
+    assert [t.split("\n")[0] for t in texts] == [f"K,V of rank {(r - s) % 4}" for s in range(4) for r in range(4)]
+    if layout == "zigzag":
+        assert texts[:4] == ["K,V of rank 0\nq0k0/2 q7k0 q7k7/2", "K,V of rank 1\nq1k1/2 q6k1 q6k6/2",
+                             "K,V of rank 2\nq2k2/2 q5k2 q5k5/2", "K,V of rank 3\nq3k3/2 q4k3 q4k4/2"]
+    else:
+        assert texts[4] == "K,V of rank 3\nnothing (masked)" and texts[7] == "K,V of rank 2\nq3k2"
