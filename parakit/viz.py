@@ -6,6 +6,8 @@ Every figure is drawn from data the library computes or measures: the ring steps
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 from typing import Callable, Sequence
 
@@ -82,12 +84,16 @@ def explore(draw: Callable, **controls) -> None:
 
     Each control is labelled with its name. A value `draw` raises on shows "cannot draw ...:"
     and the error in place of the figure. Where no frontend can show widgets (see
-    `static_only`), draws once at the first values.
+    `static_only`), draws once at the first values; with PARAKIT_SWEEP set as well (the
+    course's tests set it), then also at every value each control offers, the others at their
+    first, and at all the last values, and raises if any of them raises.
     """
     first = {name: spec[0] for name, spec in controls.items()}
     if static_only():
         draw(**first)
         plt.show()
+        if os.environ.get("PARAKIT_SWEEP"):
+            _sweep(draw, controls)
         return None
     import ipywidgets
     from IPython.display import display
@@ -107,12 +113,38 @@ def explore(draw: Callable, **controls) -> None:
     return None
 
 
+def _offered(spec) -> list:
+    """The values a control offers, for a sweep: a slider's ends and middle, a list's items."""
+    if isinstance(spec, tuple):
+        low, high = spec[0], spec[1]
+        middle = low + (high - low) // 2 if isinstance(low, int) and isinstance(high, int) else (low + high) / 2
+        return sorted({low, middle, high})
+    return list(spec)
+
+
+def _sweep(draw: Callable, controls: dict) -> None:
+    """draw(**values) at each control's every value (the others at their first) and at all the
+    last values, nothing shown; an AssertionError naming the values where one raises."""
+    offered = {name: _offered(spec) for name, spec in controls.items()}
+    first = {name: values[0] for name, values in offered.items()}
+    cases = [{**first, name: v} for name, values in offered.items() for v in values[1:]]
+    cases.append({name: values[-1] for name, values in offered.items()})
+    with contextlib.redirect_stdout(io.StringIO()):
+        for case in cases:
+            before = set(plt.get_fignums())
+            try:
+                draw(**case)
+            except Exception as error:
+                raise AssertionError(f"explore: {getattr(draw, '__name__', 'draw')}({case}) raised "
+                                     f"{type(error).__name__}: {error}") from None
+            finally:
+                for n in set(plt.get_fignums()) - before:
+                    plt.close(n)
+
+
 def _drawn(draw: Callable, values: dict):
     """(the figures `draw(**values)` made, as one PNG image, and what it printed as a
     text/plain bundle); the figures are closed, so nothing else shows them."""
-    import contextlib
-    import io
-
     from IPython.display import Image
 
     before, printed = set(plt.get_fignums()), io.StringIO()
@@ -145,8 +177,6 @@ def _drawn(draw: Callable, values: dict):
 
 
 def _png(figure) -> bytes:
-    import io
-
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", bbox_inches="tight")
     return buffer.getvalue()

@@ -128,12 +128,16 @@ class EmulatedNotebooks:
     - 02_ddp, PyTorch's DDP with find_unused_parameters=True: its reducer copies the map of
       used parameters through pinned host memory, which a device served from Python cannot
       allocate (PyTorch: "implement `getPinnedMemoryAllocator` ... for PrivateUse1"). The GPU
-      suite runs the notebook whole on NCCL (test_gpu.py)."""
+      suite runs the notebook whole on NCCL (test_gpu.py).
+
+    Each explorer there draws at every value its controls offer (PARAKIT_SWEEP, see viz.explore):
+    a value that raises fails its cell."""
 
     TAG = "not-emulated"
+    SWEEP = "PARAKIT_SWEEP"  # and every explorer draws at every value its controls offer (viz.explore)
 
     def __init__(self):
-        self.set = False  # whether PARAKIT_EMULATE_GPUS is this plugin's, for the cell running
+        self.set = []  # the variables this plugin set, for the cell running
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item):
@@ -142,8 +146,9 @@ class EmulatedNotebooks:
         if not hasattr(item, "cell") or (REPO / "solutions") not in Path(item.path).parents:
             return
         from parakit.emulation import ENV
-        if ENV not in os.environ:
-            os.environ[ENV], self.set = "4", True
+        wanted = {ENV: "4", self.SWEEP: "1"}
+        self.set = [name for name in wanted if name not in os.environ]
+        os.environ.update({name: wanted[name] for name in self.set})
         if os.environ[ENV] and self.TAG in item.cell.get("metadata", {}).get("tags", []):
             pytest.skip(f"tagged {self.TAG}: the emulation cannot run it (tests/conftest.py says why)")
 
@@ -153,10 +158,9 @@ class EmulatedNotebooks:
         try:
             return (yield)
         finally:
-            if self.set:
-                from parakit.emulation import ENV
-                os.environ.pop(ENV, None)
-                self.set = False
+            for name in self.set:
+                os.environ.pop(name, None)
+            self.set = []
 
 
 def pytest_configure(config):
