@@ -106,3 +106,13 @@ def test_ring_attention_steps_names_each_steps_block_and_the_pairs_computed(layo
                              "K,V of rank 2\nq2k2/2 q5k2 q5k5/2", "K,V of rank 3\nq3k3/2 q4k3 q4k4/2"]
     else:
         assert texts[4] == "K,V of rank 3\nnothing (masked)" and texts[7] == "K,V of rank 2\nq3k2"
+
+
+def test_under_the_sweep_explore_draws_every_offered_value_and_names_one_that_raises(monkeypatch):
+    monkeypatch.setenv("PARAKIT_STATIC", "1")
+    monkeypatch.setenv("PARAKIT_SWEEP", "1")
+    drawn = []
+    viz.explore(lambda n, kind: drawn.append((n, kind)), n=(2, 8), kind=["a", "b"])
+    assert drawn == [(2, "a"), (5, "a"), (8, "a"), (2, "b"), (8, "b")]  # shown, then each value, then the last of all
+    with pytest.raises(AssertionError, match=r"\(\{'n': 8, 'kind': 'a'\}\) raised ZeroDivisionError"):
+        viz.explore(lambda n, kind: 1 / (n - 8), n=(2, 8), kind=["a", "b"])
