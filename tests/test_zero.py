@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import parakit
-from parakit import comm, zero
+from parakit import comm, groups, zero
 
 STEPS = 3
 
@@ -588,3 +588,114 @@ def test_on_the_emulated_gpu_box_lesson_03s_meter_sees_the_gathered_weight_a_for
     done = run_script(tmp_path, "import os\nos.environ['PARAKIT_EMULATE_GPUS'] = '4'\n" + EMULATED_KEPT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == [[0, 0], [48, 48]]
+
+
+# ---------------------------------------------------------------- HSDP: sharded within a node, replicated across nodes
+
+NODES, PER_NODE = 2, 2  # 4 ranks as 2 nodes of 2: shard groups {0, 1}, {2, 3}; replicate groups {0, 2}, {1, 3}
+
+
+def hsdp_groups():
+    """This rank's shard group (its node) and replicate group (its place on every node), and their ranks."""
+    shard, node = groups.new_subgroups(groups.grid_groups((NODES, PER_NODE), [1]))
+    replicate, across = groups.new_subgroups(groups.grid_groups((NODES, PER_NODE), [0]))
+    return shard, node, replicate, across
+
+
+def train_hsdp(seed, optimizer):
+    """Train TiedNet with HSDP on 2 x 2 ranks, each rank its own quarter of the batch; return the full parameters,
+    the bytes of this rank's shards, each unit's chunk, every step's calls (op, the group's ranks, bytes passed in)
+    and the error of a replicate group that shares ranks with the shard group."""
+    shard, node, replicate, across = hsdp_groups()
+    try:
+        zero.FullyShardedDataParallel(nn.Linear(2, 2), replicate_group=replicate)  # group=None: the world
+    except ValueError as error:
+        refused = str(error)
+    net = TiedNet(seed)
+    model = zero.FullyShardedDataParallel(net, units=net.units(), group=shard, replicate_group=replicate)
+    cls, kwargs = OPTIMIZERS[optimizer]
+    opt = cls(model.parameters(), **kwargs)
+    steps = []
+    for x, y in batches(seed, dist.get_world_size()):
+        with comm.CommLog() as log:
+            xb, yb = my_batch(x, y)
+            F.mse_loss(model(xb), yb).backward()
+            model.finish_gradient_synchronization()
+        opt.step()
+        opt.zero_grad()
+        steps.append([(r.op, r.group_ranks, r.nbytes) for r in log.records])
+    held = sum(4 * s.numel() for s in model.shards)
+    return model.gather_full_params(), held, [u.chunk for u in model.units], steps, (node, across), refused
+
+
+def test_hsdp_trains_like_one_process_holds_half_and_sends_one_shard_across_the_nodes_per_unit():
+    """Parameters after 3 AdamW steps equal one process's on the whole batch; each rank holds 1/2 of the (padded)
+    parameters; each step's calls: all-gathers and gloo's reductions (all-reduces of a unit's padded gradients)
+    over the node, then for each unit one all-reduce of its shard-sized gradient over the replicate group."""
+    seed = int(torch.randint(0, 2**30, ()))
+    expected = train_one_process(seed, NODES * PER_NODE, "adamw")
+    results = parakit.launch(train_hsdp, seed, "adamw", world_size=NODES * PER_NODE)
+    for rank, (full, held, chunks, steps, (node, across), refused) in enumerate(results):
+        torch.testing.assert_close(full, expected)
+        assert node == [rank - rank % PER_NODE + i for i in range(PER_NODE)]  # the ranks of its node
+        assert across == [rank % PER_NODE + PER_NODE * i for i in range(NODES)]  # its place on every node
+        units = [7 * 7, 5 * 7 + 7, 7, 7 * 3 + 3]  # root (the tied weight), inp, back's bias, out
+        padded = [PER_NODE * -(-u // PER_NODE) for u in units]  # each unit padded to 2 chunks
+        assert sorted(PER_NODE * c for c in chunks) == sorted(padded)
+        assert PER_NODE * held == 4 * sum(padded)  # half of the (padded) parameters on each rank
+        for calls in steps:
+            over_node = [(op, n) for op, ranks, n in calls if list(ranks) == node]
+            over_replicas = [(op, n) for op, ranks, n in calls if list(ranks) == across]
+            assert len(over_node) + len(over_replicas) == len(calls)  # nothing over the world
+            assert {op for op, _ in over_node} == {"all_gather_single", "all_reduce"}
+            assert {n for op, n in over_node if op == "all_gather_single"} <= {4 * c for c in chunks}  # a shard each
+            reduced = [n for op, n in over_node if op == "all_reduce"]  # each unit's padded gradients, fp32
+            assert sorted(reduced) == sorted(4 * PER_NODE * c for c in chunks)
+            assert over_replicas == [("all_reduce", n // PER_NODE) for n in reduced]  # its shard, once per unit
+        assert refused.startswith(f"group and replicate_group share ranks {across}: HSDP shards over group")
+
+
+def against_torch_hsdp(seed):
+    """parakit's HSDP and fully_shard on a 2-D mesh ("replicate", "shard"), each layer a unit, 3 AdamW steps, each
+    rank its own quarter of the batch: both results' full parameters, and the (op kind, mesh dimension) of their
+    gradient reductions in each step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (NODES, PER_NODE), mesh_dim_names=("replicate", "shard"))
+    dims = {tuple(dist.get_process_group_ranks(mesh[d].get_group())): d for d in ("replicate", "shard")}
+    results = []
+    for wrap in ("parakit", "torch"):
+        torch.manual_seed(seed)
+        net = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 3))
+        if wrap == "torch":
+            for layer in (net[0], net[2], net):
+                fully_shard(layer, mesh=mesh)
+            model = net
+        else:
+            model = zero.FullyShardedDataParallel(net, units=[net[0], net[2]], group=mesh["shard"].get_group(),
+                                                  replicate_group=mesh["replicate"].get_group(),
+                                                  gradient_collective="reduce_scatter")
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        reductions = []
+        for x, y in batches(seed, dist.get_world_size()):
+            with comm.CommLog() as log:
+                xb, yb = my_batch(x, y)
+                F.mse_loss(model(xb), yb).backward()
+                if wrap == "parakit":
+                    model.finish_gradient_synchronization()
+            opt.step()
+            opt.zero_grad()
+            reductions.append([(r.op, dims[r.group_ranks]) for r in log.records if r.op != "all_gather_single"])
+        results.append((model.gather_full_params() if wrap == "parakit"
+                        else {k: v.full_tensor() for k, v in net.named_parameters()}, reductions))
+    return results
+
+
+def test_hsdp_equals_torch_fully_shard_on_a_2d_mesh():
+    seed = int(torch.randint(0, 2**30, ()))
+    for (mine, my_reductions), (torchs, torch_reductions) in parakit.launch(against_torch_hsdp, seed,
+                                                                           world_size=NODES * PER_NODE):
+        torch.testing.assert_close(mine, torchs)
+        layer = [("reduce_scatter_single", "shard"), ("all_reduce", "replicate")]  # each layer's, in both
+        assert my_reductions == torch_reductions == [layer * 2] * STEPS

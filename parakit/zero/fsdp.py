@@ -1,4 +1,5 @@
-"""ZeRO-3: fully sharded data parallel, unit by unit (see parakit.zero)."""
+"""ZeRO-3: fully sharded data parallel, unit by unit (see parakit.zero); with a replicate
+group, HSDP: sharded within a node, replicated across nodes."""
 from __future__ import annotations
 
 import torch
@@ -92,15 +93,27 @@ class FullyShardedDataParallel(nn.Module):
     `gradient_collective`: how a unit's gradients are reduced, "reduce_scatter" (the default on
     NCCL) or "all_reduce" (the default on gloo, whose reduce-scatter is an all-reduce of a copy:
     see `zero.optimizer.gradient_collective_for`); each rank keeps its shard's segment.
+
+    HSDP (`replicate_group`, e.g. the ranks with this rank's place on the other nodes): the
+    parameters are sharded over `group` (S ranks, one node) only, and each shard is replicated
+    on the R ranks of `replicate_group`, which must meet `group` in this rank alone. Gathers go
+    over `group` as above; a unit's gradients are reduced over `group` into this rank's shard,
+    then that shard (chunk * 4 bytes, fp32) is all-reduced over `replicate_group`: 2(R-1)/R of
+    it sent, the only traffic across nodes in a step. Gradients are averaged over all S * R
+    ranks, each of which trains on its own part of the batch; a rank holds 1/S of the parameters.
+    Wrapping broadcasts the shards (and frozen parameters, buffers) from the replicate group's
+    first rank, once: each shard's bytes across the nodes.
     """
 
     def __init__(self, module: nn.Module, units=(), compute_dtype: torch.dtype | None = None, group=None,
-                 prefetch: bool = True, gradient_collective: str | None = None):
+                 prefetch: bool = True, gradient_collective: str | None = None,
+                 replicate_group=None):
         super().__init__()
         if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
             raise TypeError(f"compute_dtype must be a floating-point torch.dtype such as torch.bfloat16 or "
                             f"torch.float16 (or None to compute in the parameters' dtype), got {compute_dtype!r}")
         self.module, self.group, self.compute_dtype, self.prefetch = module, group, compute_dtype, prefetch
+        self.replicate_group, self.replicas = replicate_group, _replicas(group, replicate_group)
         self._order, self._gathered = [], []  # units in the order the last forward gathered them / this one does
         self._saved = []  # units in the order this forward first saved a tensor of them for backward
         self.world_size = dist.get_world_size(group)
@@ -109,6 +122,9 @@ class FullyShardedDataParallel(nn.Module):
         self.names = {}  # original name -> (unit index, parameter index), or None where frozen
         self.units = self._build_units([module, *units])
         self.shards = nn.ParameterList([u.shard for u in self.units])
+        if replicate_group is not None:  # every replica starts from the first one's shards (and frozen, buffers)
+            frozen = [p for p in module.parameters() if not p.requires_grad]
+            broadcast_from_first([*self.shards, *frozen, *module.buffers()], replicate_group)
         with torch.no_grad():
             for p in module.parameters():  # the frozen ones, kept whole, in the compute dtype
                 p.data = p.data.to(compute_dtype or p.dtype)
@@ -190,9 +206,10 @@ class FullyShardedDataParallel(nn.Module):
         return packed[1]
 
     def _reduce_scatter(self, unit: _Unit, grads) -> None:
-        """Free the unit's full buffer and start reducing its gradients (fp32, padded: a
-        reduce-scatter sends (N-1)/N of N * chunk * 4 bytes, an all-reduce twice that); one
-        reduction in flight at a time."""
+        """Free the unit's full buffer and start reducing its gradients over `group` (fp32,
+        padded: a reduce-scatter sends (N-1)/N of N * chunk * 4 bytes, an all-reduce twice
+        that); one reduction in flight at a time (HSDP's all-reduce across replicas follows
+        in `finish_gradient_synchronization`)."""
         self.finish_gradient_synchronization()
         unit.free()  # its backward is done: the parameters go before the gradients' flat copy comes
         unit.reduced = True
@@ -213,12 +230,16 @@ class FullyShardedDataParallel(nn.Module):
             self._saved[saved[0] - 1].gather(wait=False)  # the unit whose backward comes next
 
     def finish_gradient_synchronization(self) -> None:
-        """Wait for the last reduce-scatter and add its average into the shard's `.grad`."""
+        """Wait for the last reduce-scatter and add its average into the shard's `.grad`; with
+        HSDP, first all-reduce the shard over `replicate_group` (chunk * 4 bytes in, 2(R-1)/R
+        of them sent)."""
         if self._pending is None:
             return
         unit, flat, out, work = self._pending
         work.wait()
-        out = out.div(self.world_size)  # [chunk], out of the flat buffer
+        if self.replicate_group is not None:
+            dist.all_reduce(out, group=self.replicate_group)  # [chunk]: the sum over every replica's shard
+        out = out.div(self.world_size * self.replicas)  # [chunk], out of the flat buffer
         flat.untyped_storage().resize_(0)  # freed now, not whenever the backend drops its reference
         unit.shard.grad = out if unit.shard.grad is None else unit.shard.grad.add_(out)
         self._pending = None
@@ -241,6 +262,19 @@ class FullyShardedDataParallel(nn.Module):
         params = [*self.parameters(), *(u.full for u in self.units)]
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         return {"parameters": params, "gradients": grads + list(self._pending[1:3] if self._pending else [])}
+
+
+def _replicas(group, replicate_group) -> int:
+    """R, the ranks of `replicate_group` (1 without one), which must meet `group` in this rank only."""
+    if replicate_group is None:
+        return 1
+    shared = set(dist.get_process_group_ranks(group or dist.group.WORLD))
+    shared &= set(dist.get_process_group_ranks(replicate_group))
+    if shared != {dist.get_rank()}:
+        raise ValueError(f"group and replicate_group share ranks {sorted(shared)}: HSDP shards over group (the ranks "
+                         f"of one node) and replicates across replicate_group (this rank's place on every node), "
+                         f"which meet in rank {dist.get_rank()} only")
+    return dist.get_world_size(replicate_group)
 
 
 def _cast_floating(tree, dtype):

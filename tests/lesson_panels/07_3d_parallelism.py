@@ -101,6 +101,50 @@ MESH_BY_TENSOR = """def mesh_groups(dp, pp, tp):
     return {"dp": lines(ranks.permute(1, 2, 0), dp), "pp": lines(ranks.permute(0, 2, 1), pp), "tp": lines(ranks, tp)}
 """
 
+HSDP_OVER_THE_WORLD = """def hsdp_reduce(grad_flat, shard_group, replicate_group):
+    # right values, but the whole gradient all-reduced over every rank, then this rank's segment kept
+    total = grad_flat.clone()
+    dist.all_reduce(total)
+    return total.chunk(dist.get_world_size(shard_group))[dist.get_rank(shard_group)] / dist.get_world_size()
+"""
+
+HSDP_PLAIN_FSDP = """def hsdp_reduce(grad_flat, shard_group, replicate_group):
+    # plain FSDP: one reduce-scatter over all the ranks, each keeping 1/(S R) of the gradient
+    n = dist.get_world_size()
+    shard = torch.empty(grad_flat.numel() // n, dtype=grad_flat.dtype, device=grad_flat.device)
+    dist.reduce_scatter_single(shard, grad_flat.contiguous())
+    return shard / n
+"""
+
+HSDP_REPLICAS_FIRST = """def hsdp_reduce(grad_flat, shard_group, replicate_group):
+    # right values, but the whole gradient crosses the nodes: all-reduced over the replicas before the reduce-scatter
+    s, r = dist.get_world_size(shard_group), dist.get_world_size(replicate_group)
+    total = grad_flat.clone()
+    dist.all_reduce(total, group=replicate_group)
+    shard = torch.empty(grad_flat.numel() // s, dtype=grad_flat.dtype, device=grad_flat.device)
+    dist.reduce_scatter_single(shard, total, group=shard_group)
+    return shard / (s * r)
+"""
+
+HSDP_LIST_FORM = """def hsdp_reduce(grad_flat, shard_group, replicate_group):
+    # averaged first, then the list form of reduce-scatter (as valid)
+    s = dist.get_world_size(shard_group)
+    pieces = list((grad_flat / (s * dist.get_world_size(replicate_group))).chunk(s))
+    shard = torch.empty_like(pieces[0])
+    dist.reduce_scatter(shard, pieces, group=shard_group)
+    dist.all_reduce(shard, group=replicate_group)
+    return shard
+"""
+
+HSDP_BORROWED = """def hsdp_reduce(grad_flat, shard_group, replicate_group):
+    # parakit's HSDP does the reduction: a module holding one parameter of the gradient's size
+    model = FullyShardedDataParallel(nn.Linear(grad_flat.numel(), 1, bias=False).to(grad_flat.device),
+                                     group=shard_group, replicate_group=replicate_group)
+    model._reduce_scatter(model.units[0], [grad_flat.view(1, -1)])
+    model.finish_gradient_synchronization()
+    return model.units[0].shard.grad
+"""
+
 
 def students(lesson: Path, solution: Path) -> list[panel.Student]:
     """Lesson 07. The hard-coder's cube and mesh groups are tables of the visible cases, and
@@ -108,12 +152,19 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     first layer's cube and fail on the swapped one (each 0 on the hidden tests); the borrower
     leans on parakit's rank formulas (cube_rank, mesh_rank), its collective helpers
     (_all_gather, _reduce_scatter) and its linear3d_backward (each 0 by the tripwires); the
-    kernel hangs in the cube groups and dies in the mesh groups. Techniques: `wrong_techniques`
-    numbers the cube with i innermost and the mesh with tp outermost (groups that cover the
-    ranks, in the wrong order of dimensions), all-gathers the whole weight in the forward and
-    all-reduces the gradients in the backward (right values; 0 on each exercise, the last two by
-    the traffic); `other_ways` (groups from a tensor of ranks, the weight gathered first with
-    the list form, dA reduce-scattered before dX) keeps full marks."""
+    kernel hangs in the cube groups and dies in the mesh groups. HSDP's reduction: the
+    hard-coder's assumes 2 nodes of 2 (the visible case), the borrower's calls parakit's HSDP.
+    Techniques: `wrong_techniques` numbers the cube with i innermost and the mesh with tp
+    outermost (groups that cover the ranks, in the wrong order of dimensions), all-gathers the
+    whole weight in the forward, all-reduces the gradients in the backward and all-reduces the
+    whole gradient over the world for HSDP (right values; 0 on each exercise, the last three by
+    the traffic); `hsdp_plain_fsdp` reduce-scatters over all the ranks (a shard of 1/(S R), not
+    1/S) and `hsdp_replicas_first` all-reduces the whole gradient across the nodes before its
+    reduce-scatter (right values, S times the bytes across): 0 on HSDP's test, full marks on the
+    rest; `other_ways` (groups from a
+    tensor of ranks, the weight gathered first with the list form, dA reduce-scattered before
+    dX, HSDP's gradient averaged first and reduce-scattered with the list form) keeps full
+    marks."""
     full = panel.full_solution(panel.load(lesson), panel.load(solution))
     pts = panel.points(panel.load(lesson))
     cubes = {q: {k[0]: v for k, v in parallel3d.cube_groups(q).items() if len(k) == 1} for q in (1, 2, 3)}
@@ -124,6 +175,8 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
         "cube_groups": f"def cube_groups(q):\n    return {cubes!r}[q]\n",
         "mesh_groups": f"def mesh_groups(dp, pp, tp):\n    return {meshes!r}[(dp, pp, tp)]\n",
         **{gid: _replace(_source(full, gid), fixed_axes) for gid in ("linear3d_forward", "linear3d_backward")},
+        "hsdp_reduce": _replace(_source(full, "hsdp_reduce"), [(
+            "s, r = dist.get_world_size(shard_group), dist.get_world_size(replicate_group)", "s, r = 2, 2")]),
     }
     borrowed = {
         "cube_groups": _replace(_source(full, "cube_groups"), [("rank = lambda i, j, l: (i * q + j) * q + l",
@@ -136,14 +189,22 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
                              "    return p3d.linear3d_backward(dy, x_il, a_lj, cube)\n",
         "mesh_groups": _replace(_source(full, "mesh_groups"), [("rank = lambda d, p, t: (d * pp + p) * tp + t",
                                                                  "rank = lambda d, p, t: pmesh.mesh_rank(d, p, t, dp, pp, tp)")]),
+        "hsdp_reduce": HSDP_BORROWED,
     }
+    all_but_hsdp = {test: score for test, score in pts.items() if test != "test_hsdp_reduce"}
     techniques = [
         panel.Student("wrong_techniques", {lesson.name: panel.with_sources(
             full, {"cube_groups": CUBE_I_INNERMOST, "linear3d_forward": FULL_WEIGHT,
-                   "linear3d_backward": ALL_REDUCE_GRADIENTS, "mesh_groups": MESH_TP_OUTERMOST})}, {}),
+                   "linear3d_backward": ALL_REDUCE_GRADIENTS, "mesh_groups": MESH_TP_OUTERMOST,
+                   "hsdp_reduce": HSDP_OVER_THE_WORLD})}, {}),
+        panel.Student("hsdp_plain_fsdp", {lesson.name: panel.with_sources(full, {"hsdp_reduce": HSDP_PLAIN_FSDP})},
+                      all_but_hsdp),
+        panel.Student("hsdp_replicas_first", {lesson.name: panel.with_sources(
+            full, {"hsdp_reduce": HSDP_REPLICAS_FIRST})}, all_but_hsdp),
         panel.Student("other_ways", {lesson.name: panel.with_sources(
             full, {"cube_groups": CUBE_BY_TENSOR, "linear3d_forward": WEIGHT_FIRST,
-                   "linear3d_backward": DA_FIRST, "mesh_groups": MESH_BY_TENSOR})}, dict(pts)),
+                   "linear3d_backward": DA_FIRST, "mesh_groups": MESH_BY_TENSOR,
+                   "hsdp_reduce": HSDP_LIST_FORM})}, dict(pts)),
     ]
     return panel.standard_panel(
         lesson, solution, hang_in="cube_groups", crash_in="mesh_groups",
