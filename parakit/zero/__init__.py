@@ -30,7 +30,10 @@ views it saved; when backward unpacks them the unit is gathered again; when the 
 of its parameters are all there, they are reduce-scattered (fp32, averaged) into the
 shard's `.grad`. Step per unit: all-gather, all-gather, reduce-scatter: 3 Psi. Frozen
 parameters are not sharded: each rank keeps them whole (in `compute_dtype`). The optimizer must work element
-by element (SGD, Adam, AdamW: a flat shard mixes parameters), as for torch's FSDP1.
+by element (SGD, Adam, AdamW: a flat shard mixes parameters), as for torch's FSDP1. With a
+`replicate_group` it is HSDP: sharded over `group` (a node), replicated across the other
+(the nodes), each unit's gradient shard all-reduced across the replicas after its
+reduce-scatter: the gathers stay inside the node, one shard's bytes cross it.
 
     optimizer.py  ShardedOptimizer (stages 1 and 2)     fsdp.py     FullyShardedDataParallel
     paper.py      the paper's bytes per rank (formulas)  held.py     bytes a rank holds, and their peak
