@@ -309,4 +309,4 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     return students
 
 
-LESSON = panel.Lesson(REPO / "solutions" / "11_real_run.ipynb", students, timeout=60)
+LESSON = panel.Lesson(REPO / "solutions" / "11_real_run.ipynb", students, timeout=30)
