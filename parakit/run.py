@@ -6,9 +6,9 @@ on demand (lesson 11).
         --save-every 5 --ckpt-dir ckpt --fault kill:1:7
 
 Each step: this replica's rows of the global batch `parakit.text.batch_for(step)` through the
-pipeline (`dp_pp_step`: micro-batches, stage sends, the tp all-reduces in every block, the
-gradients averaged over dp by BucketedDDP), or with --zero3 (dp only) through parakit's
-FullyShardedDataParallel; then `parakit.clip.clip_grad_norm_` over the mesh (one all-reduce of
+model, micro-batch by micro-batch (the tp all-reduces in every block; the gradients averaged
+over dp by BucketedDDP once, after the last; with --pp > 1 through the pipeline, `dp_pp_step`,
+stage sends included), or with --zero3 (dp only) through parakit's FullyShardedDataParallel; then `parakit.clip.clip_grad_norm_` over the mesh (one all-reduce of
 a float per group) and AdamW. The blocks' residual dropout (--dropout) draws from torch's
 generator, so a resumed run must restore it to repeat the unbroken run.
 
@@ -139,6 +139,10 @@ class Run:
 def build(args) -> Run:
     """The model from args.seed (every generator seeded), split and wrapped for this rank."""
     check_args(args, dist.get_world_size())
+    if args.pp > 1 and args.tp > 1 and dist.get_backend() != "gloo":
+        raise ValueError(f"--pp {args.pp} with --tp {args.tp} on {dist.get_backend()}: parakit.pipeline finds the "
+                         f"stages' shapes by running them on meta tensors, and NCCL refuses the tp all-reduce of a meta "
+                         f"tensor; use --pp 1 or --tp 1 here (or gloo)")
     mesh = Mesh(args.dp, args.pp, args.tp)
     model = build_model(args, mesh.tp_group)  # seeds torch's generator with args.seed
     for block in model[1:-1]:
@@ -262,16 +266,21 @@ def train_step(run: Run, step: int) -> tuple[float, float]:
     loss, the gradients' global norm before clipping), the same on every rank."""
     ids, target = _rows(run, step, run.args.batch)  # [batch/dp, seq]
     run.optimizer.zero_grad(set_to_none=True)
-    if run.args.zero3:
-        loss = 0.0
-        for ids_m, target_m in zip(ids.chunk(run.args.microbatches), target.chunk(run.args.microbatches)):
-            part = _lm_loss(run.mine(ids_m), target_m) / run.args.microbatches
-            part.backward()
-            run.mine.finish_gradient_synchronization()
-            loss = loss + part.detach()
-    else:
+    if run.args.pp > 1:
         loss = dp_pp_step(run.model, run.balance, ids, target, _lm_loss, pp_group=run.mesh.pp_group,
                           replica=run.replica, schedule=run.args.schedule, num_microbatches=run.args.microbatches)
+    else:  # the whole model here: its micro-batches one after another, the gradients averaged over dp once
+        loss, m = 0.0, run.args.microbatches
+        for i, (ids_m, target_m) in enumerate(zip(ids.chunk(m), target.chunk(m))):
+            quiet = run.replica.no_sync() if i < m - 1 and not run.args.zero3 else contextlib.nullcontext()
+            with quiet:
+                part = _lm_loss(run.mine(ids_m) if run.args.zero3 else run.model(ids_m), target_m) / m
+                part.backward()
+            if run.args.zero3:
+                run.mine.finish_gradient_synchronization()  # ZeRO-3 reduce-scatters each micro-batch's gradients
+            loss = loss + part.detach()
+        if not run.args.zero3:
+            run.replica.finish_gradient_synchronization()
     norm = clip_grad_norm_(run.mine, run.args.max_norm, run.mesh)
     run.optimizer.step()
     return _global_loss(loss, run), norm.item()
@@ -360,7 +369,7 @@ def _one_thread():
 def train(args) -> dict:
     """Run (or resume) the job on the initialised world. Every rank returns {"attempt",
     "start" (the step it went on from), "steps", "loss", "norm", "heldout" ([step, loss]
-    pairs), "samples" ({"before": ..., "after": ...} with --sample-bytes)}."""
+    pairs), "samples" ({"before": ..., "after": ...} with --sample-bytes, on the first dp replica's ranks)}."""
     check_args(args, dist.get_world_size())
     faults = [_fault(spec, args) for spec in args.fault]
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -375,8 +384,8 @@ def train(args) -> dict:
             start = load_checkpoint(run, folder) if folder is not None else 0
             _report_resume(args.ckpt_dir, folder, start)
         out = {"attempt": attempt, "start": start, "steps": [], "loss": [], "norm": [], "heldout": [], "samples": {}}
-        prompt = args.prompt.encode()
-        if args.sample_bytes:
+        prompt, sampling = args.prompt.encode(), args.sample_bytes and run.mesh.dp_rank == 0  # one replica samples
+        if sampling:
             out["samples"]["before"] = sample(run, prompt, args.sample_bytes).decode(errors="replace")
         for step in range(start, args.steps):
             loss, norm = train_step(run, step)
@@ -389,7 +398,7 @@ def train(args) -> dict:
                 out["heldout"].append([step + 1, heldout_loss(run)])
             if args.save_every and (step + 1) % args.save_every == 0:
                 save_checkpoint(run, step + 1, die=kind == "save" and mine and step + 1 == at)
-        if args.sample_bytes:
+        if sampling:
             out["samples"]["after"] = sample(run, prompt, args.sample_bytes).decode(errors="replace")
             if args.temperature:
                 out["samples"][f"after, temperature {args.temperature:g}"] = sample(
