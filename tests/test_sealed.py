@@ -354,3 +354,41 @@ def test_in_a_students_rank_the_withheld_answers_code_is_gone_from_memory(runner
                      forbid={checkpoint.checkpoint_sequential: "write it"})
     finally:
         student.close()
+
+
+# ---------------------------------------------------------------------------- the judge's cell limits
+
+def cell(kind: str, source: str, gid: str | None = None, points: int = 0):
+    """A code cell of a solution notebook: "setup", "answer" or "test"."""
+    import nbformat
+    meta = {} if kind == "setup" else {"nbgrader": {"grade_id": gid, "grade": kind == "test", "solution": kind == "answer",
+                                                    "locked": kind == "test", "points": points, "schema_version": 3}}
+    return nbformat.v4.new_code_cell(source, metadata=meta)
+
+
+def test_a_cell_gets_ten_times_the_solutions_own_time_at_least_the_floor_so_a_hang_costs_the_floor():
+    """The solution's setup cell takes 0.4 s: the student's gets ten times that; its answer cells
+    take no time, so each gets the floor (1 s here): a hung one is cut there, not at the cell
+    timeout (300 s), and a slower one inside the floor keeps its marks."""
+    import nbformat
+    from parakit.grading.judge import Judge
+    solution = nbformat.v4.new_notebook(cells=[
+        cell("setup", "import time\nfrom parakit import grading\nTWO = [time.sleep(0.4), 2][1]  # the tests use it"),
+        cell("answer", "def double(x):\n    return 2 * x", "double"),
+        cell("test", "grading.check_local(double, lambda x: TWO * x, [(3,)])", "test_double", 1),
+        cell("answer", "def triple(x):\n    return 3 * x", "triple"),
+        cell("test", "grading.check_local(triple, lambda x: 3 * x, [(3,)])", "test_triple", 1)])
+    student = nbformat.from_dict(solution)
+    student.cells[1].source = "time.sleep(0.3)  # slow, inside the floor\ndef double(x):\n    return x + x"
+    student.cells[3].source = "time.sleep(10**6)  # never returns"
+    judge = Judge(solution, JudgeConfig(cell_floor=1.0))
+    try:
+        cells, _ = judge._layout({"double": student.cells[1].source, "triple": student.cells[3].source})
+        limits = dict(zip([label if student else source for label, source, student in cells], judge.cell_limits(cells)))
+        assert limits["import time"] == 1.0 and 4.0 <= limits["TWO = [time.sleep(0.4), 2][1]"] <= 6.0  # 10 x 0.4 s
+        assert limits["<answer double>"] == limits["<answer triple>"] == 1.0
+        verdicts, notes = judge.grade(student)
+    finally:
+        judge.close()
+    assert [(v.grade_id, v.points) for v in verdicts] == [("test_double", 1.0), ("test_triple", 0.0)]
+    assert "triple: the answer cell timed out (no return within 1 s); its tests score 0" in notes

@@ -229,6 +229,7 @@ class Judge:
             if self.answers else set()
         self._runners: tuple[Runner, Runner] | None = None
         self.cache: dict = {}
+        self._cell_seconds: dict | None = None  # the solution's own cells' times (cell_limits)
 
     def close(self):
         for runner in self._runners or ():
@@ -259,23 +260,41 @@ class Judge:
                 cells.append((f"<answer {gid}>", python_source(answers[gid]), True))
         return cells, setup
 
+    def _cells_job(self, cells) -> sandbox.Job:
+        return sandbox.Job(cloudpickle.dumps((int, [])), True, list(cells), b"", True, self.config.hidden,
+                           report_cells=True)
+
+    def cell_limits(self, cells) -> list[float]:
+        """Each cell's limit: REFERENCE_TIMES the solution's own time for the same cell (its
+        setup run with its answers, once per judge, on the reference's runner), at least the
+        config's cell_floor, at most its cell_timeout (also for a cell the solution lacks).
+        A loaded machine slows the solution's cells too; a hung answer costs the floor, not
+        the whole cell timeout."""
+        key = lambda label, source, student: (label, None if student else source)  # noqa: E731: a setup statement, or an answer
+        if self._cell_seconds is None:
+            mine, _ = self._layout({gid: cell.source for gid, cell in self.answers.items()})
+            run = self.runners()[0].run(self._cells_job(mine), 1, self.config.cell_timeout, per_note=True)
+            self._cell_seconds = dict(zip([key(*c) for c in mine], run.note_seconds))
+        most, least = self.config.cell_timeout, self.config.cell_floor
+        return [min(most, max(least, REFERENCE_TIMES * self._cell_seconds[key(*c)]))
+                if key(*c) in self._cell_seconds else most for c in cells]
+
     def prelude(self, cells) -> tuple[list, list[str]]:
-        """Run the cells once, alone: answer cells that never return or kill their process
-        are left out of every later run (and said so)."""
+        """Run the cells once, alone, each within its `cell_limits`: answer cells that never
+        return or kill their process are left out of every later run (and said so)."""
         runner = self.runners()[1]
         skipped, notes = set(), []
         while True:
             kept = [(i, c) for i, c in enumerate(cells) if i not in skipped]
-            job = sandbox.Job(cloudpickle.dumps((int, [])), True, [c for _, c in kept], b"", True,
-                              self.config.hidden, report_cells=True)
-            run = runner.run(job, 1, self.config.cell_timeout, per_note=True)
+            limits = self.cell_limits([c for _, c in kept])
+            run = runner.run(self._cells_job([c for _, c in kept]), 1, limits, per_note=True)
             done = sum(1 for n in run.notes[0] if n.startswith("cell "))
             if run.failure is None or done >= len(kept):
                 break
             index, (label, _, student) = kept[done]
             skipped.add(index)
             what = label.strip("<>").removeprefix("answer ")
-            notes.append(f"{what}: the answer cell timed out (no return within {self.config.cell_timeout:g} s); "
+            notes.append(f"{what}: the answer cell timed out (no return within {limits[done]:g} s); "
                          f"its tests score 0" if "did not finish" in run.failure else
                          f"{what}: the answer cell killed its process (the kernel died: os._exit, a crash or "
                          f"out of memory); its tests score 0")

@@ -22,15 +22,17 @@ __all__ = ["JudgeConfig", "Run", "Runner", "outcome"]
 
 @dataclass
 class JudgeConfig:
-    """How the judge runs: per-cell timeout, the course's folders a student's rank may not
-    read, where scratch folders go, the salt that makes inputs unguessable, and whether a
-    student's ranks are confined by the operating system."""
+    """How the judge runs: per-cell timeout (a student's cell gets ten times the solution's
+    own time for it, at least `cell_floor`, at most `cell_timeout`), the course's folders a
+    student's rank may not read, where scratch folders go, the salt that makes inputs
+    unguessable, and whether a student's ranks are confined by the operating system."""
 
     cell_timeout: float = 300.0
     hidden: list[str] = field(default_factory=list)
     scratch: str | None = None
     salt: str = "parakit"
     confine: bool = True  # a student's ranks in the OS's walls (`isolation`) where the machine allows
+    cell_floor: float = 15.0
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Run:
     notes: list[list[str]]
     failure: str | None = None
     overlapped: list[list[bool]] | None = None  # per rank and call: the backward went on while it was in flight
+    note_seconds: list[float] = field(default_factory=list)  # per_note runs: how long before each of rank 0's notes
 
 
 class Runner:
@@ -56,8 +59,9 @@ class Runner:
 
     def run(self, job: sandbox.Job, world_size: int, timeout, per_note: bool = False) -> Run:
         """`job` on `world_size` new ranks; at most `timeout` s (with `per_note`, counted
-        from the last note a rank sent: a cell's time, for a job that reports its cells).
-        `timeout` may be a function, asked again at each look: a limit that can still grow."""
+        from the last note a rank sent: a cell's time, for a job that reports its cells; a
+        list then gives each cell its own, the last for any beyond). `timeout` may be a
+        function, asked again at each look: a limit that can still grow."""
         folder = tempfile.mkdtemp(prefix="sealed-", dir=self.config.scratch)
         try:
             tokens = [secrets.token_hex(16) for _ in range(world_size)]
@@ -81,20 +85,28 @@ class Runner:
                 if value is None and failure is None:
                     failure = f"rank {rank} ended without a result: its process died{_tail(folder, rank)}"
             return Run(values, broker.calls, [broker.notes.get(r, []) for r in range(world_size)], failure,
-                       [broker.overlapped(r) for r in range(world_size)])
+                       [broker.overlapped(r) for r in range(world_size)], clock.note_seconds)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
 
 class _Clock:
+    """The run's limit, and with per_note each of rank 0's notes' time since the one before
+    (as the broker's loop sees them: to its polling interval)."""
+
     def __init__(self, timeout, broker, per_note):
-        self.limit = timeout if callable(timeout) else lambda: timeout
+        if isinstance(timeout, (list, tuple)):
+            self.limit = lambda: timeout[min(self.seen, len(timeout) - 1)]
+        else:
+            self.limit = timeout if callable(timeout) else lambda: timeout
         self.broker, self.per_note = broker, per_note
-        self.start, self.seen = time.monotonic(), 0
+        self.start, self.seen, self.note_seconds = time.monotonic(), 0, []
 
     def expired(self) -> bool:
         if self.per_note and len(self.broker.notes.get(0, [])) != self.seen:
-            self.seen, self.start = len(self.broker.notes[0]), time.monotonic()
+            now = time.monotonic()
+            self.note_seconds += [now - self.start] + [0.0] * (len(self.broker.notes[0]) - self.seen - 1)
+            self.seen, self.start = len(self.broker.notes[0]), now
         return time.monotonic() - self.start > self.limit()
 
 
