@@ -8,9 +8,10 @@ on demand (lesson 11).
 Each step: this replica's rows of the global batch `parakit.text.batch_for(step)` through the
 model, micro-batch by micro-batch (the tp all-reduces in every block; the gradients averaged
 over dp by BucketedDDP once, after the last; with --pp > 1 through the pipeline, `dp_pp_step`,
-stage sends included), or with --zero3 (dp only) through parakit's FullyShardedDataParallel; then `parakit.clip.clip_grad_norm_` over the mesh (one all-reduce of
-a float per group) and AdamW. The blocks' residual dropout (--dropout) draws from torch's
-generator, so a resumed run must restore it to repeat the unbroken run.
+stage sends included), or with --zero3 (dp only) through parakit's FullyShardedDataParallel;
+then `parakit.clip.clip_grad_norm_` over the mesh (one all-reduce of a float per group) and AdamW.
+The blocks' residual dropout (--dropout) draws from torch's generator, so a resumed run must
+restore it to repeat the unbroken run.
 
 Every --save-every steps, into ckpt-dir/step{N}: each rank's resume state first
 (resume{rank}.pt: parakit.state.capture, the step and every generator, and the mesh), then
@@ -141,8 +142,8 @@ def build(args) -> Run:
     check_args(args, dist.get_world_size())
     if args.pp > 1 and args.tp > 1 and dist.get_backend() != "gloo":
         raise ValueError(f"--pp {args.pp} with --tp {args.tp} on {dist.get_backend()}: parakit.pipeline finds the "
-                         f"stages' shapes by running them on meta tensors, and NCCL refuses the tp all-reduce of a meta "
-                         f"tensor; use --pp 1 or --tp 1 here (or gloo)")
+                         f"stages' shapes by running them on meta tensors, and NCCL refuses the tp all-reduce of "
+                         f"a meta tensor; use --pp 1 or --tp 1 here (or gloo)")
     mesh = Mesh(args.dp, args.pp, args.tp)
     model = build_model(args, mesh.tp_group)  # seeds torch's generator with args.seed
     for block in model[1:-1]:
@@ -157,7 +158,8 @@ def build(args) -> Run:
         replica = replicate(mine, mesh, args.bucket_mb)
     optimizer = torch.optim.AdamW(mine.parameters(), lr=args.lr, foreach=False)
     for p in mine.parameters():  # the moments exist from the start, so that a checkpoint can hold them
-        optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                              "exp_avg_sq": torch.zeros_like(p)}
     return Run(args, mesh, model, balance, layers, mine, optimizer, replica)
 
 
@@ -226,11 +228,7 @@ def load_checkpoint(run: Run, folder: Path) -> int:
         (record, resume), problem = _resume_record(run, folder), None
     except (OSError, RuntimeError, ValueError) as error:  # a damaged or foreign file, another seed
         record, resume, problem = None, None, error
-    problems = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, None if problem is None else (type(problem).__name__, str(problem)))
-    if any(problems):
-        kind, text = next(p for p in problems if p)
-        raise (ValueError if kind == "ValueError" else state.CheckpointError)(text)
+    _agree(problem)
     state.load(folder, checkpoint_shards(run))
     first = next(iter(run.mine.parameters()))
     for p in run.mine.parameters():  # one step count for every parameter, as AdamW keeps it
@@ -249,7 +247,8 @@ def _lm_loss(logits, target):  # [batch, seq, vocab], [batch, seq]
 
 
 def _global_loss(loss, run: Run) -> float:
-    """The mean over the replicas of the last stages' losses (each tp rank holds the same): one all-reduce of a float."""
+    """The mean over the replicas of the last stages' losses (each tp rank holds the same): one all-reduce of a
+    float."""
     total = torch.zeros(1, device=device()) if loss is None else loss.detach().reshape(1).clone()
     dist.all_reduce(total)
     return total.item() / (run.args.dp * run.args.tp)
@@ -344,15 +343,26 @@ def _die(where: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _check_writable(folder: Path) -> None:
+def _agree(problem: Exception | None) -> None:
+    """Raise on every rank the first problem any rank met (one all_gather_object of the messages), so that no rank
+    goes on to a collective the others never reach."""
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, None if problem is None else (type(problem).__name__, str(problem)))
+    found = next((p for p in problems if p), None)
+    if found:
+        raise (ValueError if found[0] == "ValueError" else state.CheckpointError)(found[1])
+
+
+def _unwritable(folder: Path) -> Exception | None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".probe{dist.get_rank()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as error:
-        raise state.CheckpointError(f"--ckpt-dir {folder}: cannot write there ({error.strerror or error}): pick a "
-                                    f"folder this process can create and write") from None
+        return state.CheckpointError(f"--ckpt-dir {folder}: cannot write there ({error.strerror or error}): pick a "
+                                     f"folder this process can create and write")
+    return None
 
 
 @contextlib.contextmanager
@@ -369,7 +379,8 @@ def _one_thread():
 def train(args) -> dict:
     """Run (or resume) the job on the initialised world. Every rank returns {"attempt",
     "start" (the step it went on from), "steps", "loss", "norm", "heldout" ([step, loss]
-    pairs), "samples" ({"before": ..., "after": ...} with --sample-bytes, on the first dp replica's ranks)}."""
+    pairs), "samples" ({"before": ..., "after": ...} with --sample-bytes, on the sampling
+    replica's ranks)}."""
     check_args(args, dist.get_world_size())
     faults = [_fault(spec, args) for spec in args.fault]
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -379,12 +390,13 @@ def train(args) -> dict:
         run = build(args)
         start = 0
         if args.ckpt_dir is not None:
-            _check_writable(args.ckpt_dir)
+            _agree(_unwritable(args.ckpt_dir))
             folder = state.latest(args.ckpt_dir)
             start = load_checkpoint(run, folder) if folder is not None else 0
             _report_resume(args.ckpt_dir, folder, start)
         out = {"attempt": attempt, "start": start, "steps": [], "loss": [], "norm": [], "heldout": [], "samples": {}}
-        prompt, sampling = args.prompt.encode(), args.sample_bytes and run.mesh.dp_rank == 0  # one replica samples
+        # one replica samples (every dp rank under ZeRO-3, whose forward gathers over dp)
+        prompt, sampling = args.prompt.encode(), args.sample_bytes and (run.mesh.dp_rank == 0 or args.zero3)
         if sampling:
             out["samples"]["before"] = sample(run, prompt, args.sample_bytes).decode(errors="replace")
         for step in range(start, args.steps):
