@@ -318,23 +318,24 @@ def heldout_loss(run: Run) -> float:
     return _global_loss(None if logits is None else _lm_loss(logits, target), run)
 
 
-def sample(run: Run, prompt: bytes, length: int, temperature: float = 0.0, seed: int = 0) -> bytes:
-    """`length` bytes after `prompt`, each the most probable next byte (temperature 0) or drawn
-    at `temperature` from a generator of its own (torch's stays where it was); the model sees
-    the last --seq bytes. Every rank returns the same bytes: the last stage broadcasts each
-    byte over its pp group."""
-    ids, draw = torch.tensor(list(prompt), device=device()), torch.Generator().manual_seed(seed)
+def sample(run: Run, prompt: bytes, length: int, temperatures=(0.0,), seed: int = 0) -> list[bytes]:
+    """For each temperature, `length` bytes after `prompt`: each the most probable next byte
+    (temperature 0) or drawn at that temperature from a generator of its own (torch's stays
+    where it was); one row of a batch each, the model seeing the last --seq bytes. Every rank
+    returns the same bytes: the last stage broadcasts each step's bytes over its pp group."""
+    draw, rows = torch.Generator().manual_seed(seed), len(temperatures)
+    ids = torch.tensor(list(prompt), device=device()).repeat(rows, 1)  # [rows, len(prompt)]
     for _ in range(length):
-        logits = logits_of(run, ids[-run.args.seq:].unsqueeze(0))
-        nxt = torch.zeros(1, dtype=torch.long, device=device())
+        logits = logits_of(run, ids[:, -run.args.seq:])
+        nxt = torch.zeros(rows, 1, dtype=torch.long, device=device())  # [rows, 1]
         if logits is not None:
-            last = logits[0, -1].float().cpu()  # [vocab]
-            nxt[0] = int(last.argmax()) if temperature == 0 else \
-                int(torch.multinomial((last / temperature).softmax(-1), 1, generator=draw))
+            for row, (last, t) in enumerate(zip(logits[:, -1].float().cpu(), temperatures)):  # [vocab] each
+                nxt[row] = int(last.argmax()) if t == 0 else int(torch.multinomial((last / t).softmax(-1), 1,
+                                                                                     generator=draw))
         if run.args.pp > 1:
             dist.broadcast(nxt, src=global_rank(run.mesh.pp_group, run.args.pp - 1), group=run.mesh.pp_group)
-        ids = torch.cat([ids, nxt])
-    return bytes(ids[len(prompt):].tolist())
+        ids = torch.cat([ids, nxt], dim=1)
+    return [bytes(row[len(prompt):].tolist()) for row in ids]
 
 
 def _die(where: str) -> None:
@@ -398,7 +399,7 @@ def train(args) -> dict:
         # one replica samples (every dp rank under ZeRO-3, whose forward gathers over dp)
         prompt, sampling = args.prompt.encode(), args.sample_bytes and (run.mesh.dp_rank == 0 or args.zero3)
         if sampling:
-            out["samples"]["before"] = sample(run, prompt, args.sample_bytes).decode(errors="replace")
+            out["samples"]["before"] = sample(run, prompt, args.sample_bytes)[0].decode(errors="replace")
         for step in range(start, args.steps):
             loss, norm = train_step(run, step)
             for key, value in (("steps", step + 1), ("loss", loss), ("norm", norm)):
@@ -411,10 +412,10 @@ def train(args) -> dict:
             if args.save_every and (step + 1) % args.save_every == 0:
                 save_checkpoint(run, step + 1, die=kind == "save" and mine and step + 1 == at)
         if sampling:
-            out["samples"]["after"] = sample(run, prompt, args.sample_bytes).decode(errors="replace")
-            if args.temperature:
-                out["samples"][f"after, temperature {args.temperature:g}"] = sample(
-                    run, prompt, args.sample_bytes, args.temperature, args.seed).decode(errors="replace")
+            temperatures = (0.0, args.temperature) if args.temperature else (0.0,)
+            after = sample(run, prompt, args.sample_bytes, temperatures, args.seed)
+            names = ["after", f"after, temperature {args.temperature:g}"]
+            out["samples"].update({name: raw.decode(errors="replace") for name, raw in zip(names, after)})
     return out
 
 
