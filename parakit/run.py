@@ -140,10 +140,6 @@ class Run:
 def build(args) -> Run:
     """The model from args.seed (every generator seeded), split and wrapped for this rank."""
     check_args(args, dist.get_world_size())
-    if args.pp > 1 and args.tp > 1 and dist.get_backend() != "gloo":
-        raise ValueError(f"--pp {args.pp} with --tp {args.tp} on {dist.get_backend()}: parakit.pipeline finds the "
-                         f"stages' shapes by running them on meta tensors, and NCCL refuses the tp all-reduce of "
-                         f"a meta tensor; use --pp 1 or --tp 1 here (or gloo)")
     mesh = Mesh(args.dp, args.pp, args.tp)
     model = build_model(args, mesh.tp_group)  # seeds torch's generator with args.seed
     for block in model[1:-1]:

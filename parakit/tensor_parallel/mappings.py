@@ -15,7 +15,9 @@ rank's input (a layer norm's statistics over features split across ranks). A
 column-parallel layer starts with f, a row-parallel layer ends with g, so a column layer
 followed by a row layer costs one all-reduce forward and one backward.
 `group` is the tensor-parallel process group (None: the world). On a group of one rank
-every operator is the identity and sends nothing. The sequence-parallel pair replaces f and
+every operator is the identity and sends nothing; on meta tensors (a pipeline finding its
+stages' shapes, `pipeline.activation_shapes`) only the shapes are computed and nothing is
+sent: NCCL has no backend for the meta device. The sequence-parallel pair replaces f and
 g when the regions between blocks (layer norm, dropout) hold a slice of the sequence
 ([batch, seq/t, hidden]) instead of a replica: an all-reduce is a reduce-scatter followed by
 an all-gather, and the same bytes are sent.
@@ -33,7 +35,7 @@ __all__ = ["copy_to_region", "reduce_from_region", "scatter_to_region", "gather_
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Sum of x over the group, in a new tensor: sends 2(t-1)/t * x.nbytes (ring)."""
-    if dist.get_world_size(group) == 1:
+    if dist.get_world_size(group) == 1 or x.is_meta:
         return x
     x = x.clone(memory_format=torch.contiguous_format)  # the caller's tensor (a shared gradient) stays as it is
     dist.all_reduce(x, group=group)
@@ -57,7 +59,8 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
         return x
     x = x.contiguous().view(1, *x.shape)  # [1, ..., d]
     out = torch.empty((t, *x.shape[1:]), dtype=x.dtype, device=x.device)  # [t, ..., d]
-    dist.all_gather_single(out, x, group=group)
+    if not x.is_meta:
+        dist.all_gather_single(out, x, group=group)
     return out.movedim(0, -2).reshape(*x.shape[1:-1], t * x.shape[-1])  # [..., t*d]
 
 
@@ -69,7 +72,8 @@ def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
         return x
     x = x.movedim(1, 0).contiguous()  # [s/t, b, h]
     out = torch.empty((t * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # [s, b, h]
-    dist.all_gather_single(out, x, group=group)
+    if not x.is_meta:
+        dist.all_gather_single(out, x, group=group)
     return out.movedim(0, 1)  # [b, s, h]
 
 
@@ -84,7 +88,8 @@ def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
                          f"make it a multiple of {t}")
     x = x.movedim(1, 0).contiguous()  # [s, b, h]
     out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype, device=x.device)  # [s/t, b, h]
-    dist.reduce_scatter_single(out, x, group=group)
+    if not x.is_meta:
+        dist.reduce_scatter_single(out, x, group=group)
     return out.movedim(0, 1)  # [b, s/t, h]
 
 
