@@ -216,6 +216,12 @@ def _raise_error(got: dict, where: str) -> None:
 
 # ---------------------------------------------------------------------------- a notebook
 
+def _cell_key(label: str, source: str, student: bool) -> tuple:
+    """A prelude cell as the solution's run and a student's share it: a setup statement by
+    its label and source (one label holds a cell's several statements), an answer by label."""
+    return label, None if student else source
+
+
 class Judge:
     """Grades submissions of one lesson against its solution notebook (see the module)."""
 
@@ -270,14 +276,13 @@ class Judge:
         config's cell_floor, at most its cell_timeout (also for a cell the solution lacks).
         A loaded machine slows the solution's cells too; a hung answer costs the floor, not
         the whole cell timeout."""
-        key = lambda label, source, student: (label, None if student else source)  # noqa: E731: a setup statement, or an answer
         if self._cell_seconds is None:
             mine, _ = self._layout({gid: cell.source for gid, cell in self.answers.items()})
             run = self.runners()[0].run(self._cells_job(mine), 1, self.config.cell_timeout, per_note=True)
-            self._cell_seconds = dict(zip([key(*c) for c in mine], run.note_seconds))
+            self._cell_seconds = dict(zip([_cell_key(*c) for c in mine], run.note_seconds))
         most, least = self.config.cell_timeout, self.config.cell_floor
-        return [min(most, max(least, REFERENCE_TIMES * self._cell_seconds[key(*c)]))
-                if key(*c) in self._cell_seconds else most for c in cells]
+        return [min(most, max(least, REFERENCE_TIMES * self._cell_seconds[_cell_key(*c)]))
+                if _cell_key(*c) in self._cell_seconds else most for c in cells]
 
     def prelude(self, cells) -> tuple[list, list[str]]:
         """Run the cells once, alone, each within its `cell_limits`: answer cells that never
