@@ -44,7 +44,7 @@ ALLOWED = {
     "write_scratch": "open('mine.txt', 'w').write('ok')",
     "processes_seen": "import os; sorted(int(p) for p in os.listdir('/proc') if p.isdigit())",
     "listdir_root": "import os; sorted(os.listdir('/'))",
-    "read_a_visible_folder_in_tmp": "open(VISIBLE + '/data.txt').read()",
+    "read_a_visible_folder_in_tmp": "open(VISIBLE + '/data.txt').read()",  # VISIBLE: a link to the folder
     "write_a_visible_folder": "open(VISIBLE + '/data.txt', 'w').write('x')",
 }
 
@@ -85,6 +85,7 @@ def confined(tmp_path, attempts: dict[str, str], cpu_seconds: int = 60) -> tuple
     scratch.mkdir()
     visible.mkdir()
     (visible / "data.txt").write_text("shown")
+    (tmp_path / "linked_venv").symlink_to(visible)  # given by its link, as a venv can be: read through it
     server = socket.create_server(("127.0.0.1", 0))
     listener = socket.socket(socket.AF_UNIX)
     listener.bind("\0parakit-isolation-test-%d" % os.getpid())
@@ -97,7 +98,7 @@ def confined(tmp_path, attempts: dict[str, str], cpu_seconds: int = 60) -> tuple
                                                      shm=shm.name)))
     try:
         done = subprocess.run([sys.executable, str(script), json.dumps(attempts), str(out), str(scratch),
-                               str(cpu_seconds), str(visible)], capture_output=True, text=True, env=script_env(), timeout=300)
+                               str(cpu_seconds), str(tmp_path / "linked_venv")], capture_output=True, text=True, env=script_env(), timeout=300)
     finally:
         server.close()
         listener.close()

@@ -108,12 +108,15 @@ def enter_pid_namespace() -> int:
 
 def confine(scratch: str, visible: list[str], hidden: list[str], limits: Limits) -> None:
     """Make this process (process 1 of its PID namespace, from `enter_pid_namespace`) see only
-    the system, `visible` (read-only: Python's prefix, the venv) and `scratch` (read-write);
-    `hidden` folders inside those (parakit's own package, say) are covered by empty ones.
+    the system, `visible` (read-only: Python's prefix, the venv; also by the link it is named by)
+    and `scratch` (read-write); `hidden` folders inside those (parakit's own package, say) are
+    covered by empty ones.
     Then drop every capability, filter the system calls and set the caps (see the module)."""
     scratch = os.path.realpath(scratch)
     binds = [d for d in SYSTEM_DIRS if os.path.isdir(d) and not os.path.islink(d)]
     binds += sorted({os.path.realpath(p) for p in visible if os.path.isdir(p)} - set(binds))
+    links = {os.path.abspath(p): os.path.realpath(p) for p in visible  # a venv reached by a link
+             if os.path.isdir(p) and os.path.abspath(p) != os.path.realpath(p)}
     held = {path: os.open(path, O_PATH | os.O_DIRECTORY) for path in [*binds, scratch]}  # reachable once /tmp is covered
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     root = "/tmp"  # a tmpfs over it becomes the new root; the old /tmp is out of sight
@@ -128,6 +131,10 @@ def confine(scratch: str, visible: list[str], hidden: list[str], limits: Limits)
         os.close(fd)
     for link in (d for d in SYSTEM_DIRS if os.path.islink(d)):
         os.symlink(os.readlink(link), root + link)
+    for path, target in links.items():  # sys.path names the folder so: the link leads to where it is bound
+        if not os.path.lexists(root + path):
+            os.makedirs(os.path.dirname(root + path), exist_ok=True)
+            os.symlink(target, root + path)
     for folder in hidden:
         folder = os.path.realpath(folder)
         if any(folder.startswith(b + "/") for b in binds) and os.path.isdir(root + folder):
