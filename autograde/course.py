@@ -33,7 +33,7 @@ import warnings
 from pathlib import Path
 
 import nbformat
-from nbgrader.api import Gradebook, MissingEntry
+from nbgrader.api import Gradebook
 from nbgrader.apps.api import NbGraderAPI
 from nbgrader.coursedir import CourseDirectory
 from nbgrader.validator import Validator
@@ -242,13 +242,8 @@ def last_error(result: dict) -> str:
 
 def forget(course: Course, assignment: str, student: str) -> None:
     """Drop what an earlier run graded for this student and assignment (files and gradebook)."""
-    for step in ("submitted", "autograded", "feedback"):
-        shutil.rmtree(course.root / step / student / assignment, ignore_errors=True)
     with Gradebook(course.api.coursedir.db_url, course.api.coursedir.course_id) as gb:
-        try:
-            gb.remove_submission(assignment, student)
-        except MissingEntry:
-            pass
+        gradebook.forget(gb, course.root, assignment, student)
 
 
 def grade_in_kernel(course: Course, student: str, assignment: str, path: Path | None, released) -> Result:
@@ -283,10 +278,7 @@ def grade_in_kernel(course: Course, student: str, assignment: str, path: Path | 
     result.max_score, result.tests = scores(course, assignment, student)
     result.score = sum(s for s, _ in result.tests.values())
     result.notes += execution_notes(course.root / "autograded" / student / assignment / f"{assignment}.ipynb")
-    feedback = course.api.generate_feedback(assignment, student, force=True)
-    if not feedback["success"]:
-        result.notes.append(f"feedback not generated: {last_error(feedback)}")
-    return result
+    return result  # no nbgrader feedback: its scores are not the grade (the feedback is feedback.page's)
 
 
 STUDENT_ID = re.compile(r"^\w(?:[\w.@ -]*[\w.@-])?$")   # letters of any script, digits, _.@- and inner spaces

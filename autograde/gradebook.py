@@ -22,7 +22,7 @@ from pathlib import Path
 
 from nbgrader.api import Gradebook, MissingEntry
 
-__all__ = ["set_aside_foreign", "record", "drop_absent", "exercises"]
+__all__ = ["set_aside_foreign", "record", "drop_absent", "exercises", "forget"]
 
 
 def set_aside_foreign(root: Path, course_id: str) -> list[str]:
@@ -108,9 +108,10 @@ def record(db_url: str, course_id: str, root: Path, results, found: dict, graded
 
 
 def forget(gb: Gradebook, root: Path, assignment: str, student: str) -> dict:
-    """Remove the student's submission of `assignment` (gradebook and files); return what a
-    person had entered on it, to be kept by the next submission."""
-    for step in ("submitted", "autograded"):
+    """Remove the student's submission of `assignment` (gradebook and files, nbgrader's feedback
+    of it too: it showed the old scores); return what a person had entered on it, to be kept by
+    the next submission."""
+    for step in ("submitted", "autograded", "feedback"):
         shutil.rmtree(Path(root) / step / student / assignment, ignore_errors=True)
     try:
         old = gb.find_submission(assignment, student)

@@ -295,6 +295,16 @@ def test_nbgrader_export_lists_the_sealed_totals(graded):
     assert exported(graded.course) == {s: (score, 5.0) for s, score in SEALED.items()}
 
 
+def test_nbgraders_own_feedback_shows_the_sealed_scores(graded):
+    """`nbgrader generate_feedback`, as the formgrader runs it after manual grading, builds its
+    pages from the gradebook and autograded/: each student's page shows the sealed total."""
+    course = graded.course.copy(graded.course.root.parent / "nbgrader_feedback")
+    nbgrader(course, "generate_feedback", "toy")
+    for student, score in SEALED.items():
+        page = (course.root / "feedback" / student / "toy" / "toy.html").read_text(encoding="utf-8")
+        assert f"Score: {score:.1f} / 5.0)" in page, (student, page[:2000])  # the notebook's total
+
+
 def test_regrading_replaces_scores_keeps_manual_comments_and_drops_a_student_gone(regraded):
     """bob hands in the full solution and carol's folder is gone: bob 5/5 (a comment a person
     wrote on his submission kept), carol out of the gradebook, its files and the export, in one line."""
@@ -473,3 +483,4 @@ def test_in_kernel_differences_are_reported_and_the_gradebook_keeps_the_sealed_s
     with Gradebook(f"sqlite:///{root}/gradebook.db", "parakit") as gb:
         assert gb.find_submission("toy", "bob").score == 2.0
     assert "in the kernel" not in (out / "feedback" / "bob" / "toy.html").read_text()
+    assert not (root / "feedback" / "bob").exists()  # no nbgrader page with the kernel's 5/5 to release
