@@ -10,13 +10,13 @@ scores), merged into the running result exactly:
 
     lse = log(e^lse_a + e^lse_b)        out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b
 
-The backward passes the blocks around once more, each with the dK, dV accumulated so far
-for it, so every rank's dK, dV come home after n steps; no rank ever holds the whole
-sequence. The sequence is cut in chunks: n contiguous ones (rank r holds chunk r), or 2n
-for the zig-zag split (rank r holds chunks r and 2n-1-r). Under a causal mask a query chunk
-sees whole earlier chunks, half of its own, and nothing later; chunk pairs fully masked are
-skipped, so with the contiguous split rank n-1 works about 2n-1 times as much as rank 0,
-and with zig-zag every rank does the same work.
+The backward passes K and V around once more; each block's dK, dV accumulator follows it one
+step behind, each rank adding its share, and comes home after n steps (dq stays home); no
+rank ever holds the whole sequence. The sequence is cut in chunks: n contiguous ones (rank r
+holds chunk r), or 2n for the zig-zag split (rank r holds chunks r and 2n-1-r). Under a
+causal mask a query chunk sees whole earlier chunks, half of its own, and nothing later;
+chunk pairs fully masked are skipped, so with the contiguous split rank n-1 works about 2n-1
+times as much as rank 0, and with zig-zag every rank does the same work.
 """
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ from torch import nn
 from parakit.comm import post_batch
 
 __all__ = ["LAYOUTS", "chunk_ids", "check_sequence", "shard_sequence", "unshard_sequence", "check_qkv", "block_attention",
-           "merge_partials", "pair_kind", "attention_work", "ring_attention", "ring_attention_forward",
-           "RingAttention", "ring_bytes_per_rank", "ContextParallelSelfAttention"]
+           "block_attention_backward", "merge_partials", "pair_kind", "attention_work", "ring_attention",
+           "ring_attention_forward", "ring_attention_backward", "RingAttention", "ring_bytes_per_rank",
+           "ContextParallelSelfAttention"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -102,6 +103,18 @@ def block_attention(q, k, v, scale: float, diagonal: bool = False) -> tuple[torc
     s = _scores(q, k, scale, diagonal)
     lse = torch.logsumexp(s, dim=-1)  # [b, h, c]
     return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
+
+
+def block_attention_backward(do, q, k, v, lse, delta, scale: float, diagonal: bool = False):
+    """dq, dk, dv [b, h, c, d] of q's attention over one block of k, v (no communication), from
+    the final lse [b, h, c] of q's rows over the whole sequence and delta = rowsum(dout * out)
+    [b, h, c]. With p = exp(q k^T scale - lse), this block's entries of the whole softmax:
+    dv = p^T do, ds = p (do v^T - delta), dq = ds k scale, dk = ds^T q scale. Summed over every
+    block, they are the whole attention's gradients. `diagonal`: causal inside the block."""
+    p = torch.exp(_scores(q, k, scale, diagonal) - lse.unsqueeze(-1))  # [b, h, c, c]
+    dv = p.transpose(-1, -2) @ do
+    ds = p * (do @ v.transpose(-1, -2) - delta.unsqueeze(-1))
+    return (ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, dv
 
 
 def merge_partials(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,49 +199,45 @@ def ring_attention_forward(q, k, v, causal: bool = False, layout: str = "contigu
     return torch.cat([o for o, _ in acc], 2), torch.cat([lse for _, lse in acc], 2)
 
 
-def _block_grads(qc, kc, vc, do, lse, delta, scale, diagonal):
-    """dq, dk, dv of one block pair, from the final lse and delta = rowsum(dout * out)."""
-    p = torch.exp(_scores(qc, kc, scale, diagonal) - lse.unsqueeze(-1))  # [b, h, c, c]
-    dv = p.transpose(-1, -2) @ do
-    ds = p * (do @ vc.transpose(-1, -2) - delta.unsqueeze(-1))
-    return (ds @ kc) * scale, (ds.transpose(-1, -2) @ qc) * scale, dv
-
-
-def _ring_backward(do, q, k, v, out, lse, causal, layout, group, scale):
-    """dq, dk, dv: K, V go around the ring as in forward; each block's dK, dV accumulators
-    follow it one step behind and reach their owner after n steps."""
+def ring_attention_backward(do, q, k, v, out, lse, causal: bool = False, layout: str = "contiguous", group=None,
+                            scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv [b, h, seq/n, d] of this rank's blocks, from the forward's out and lse (no autograd).
+    K and V go around the ring as in forward: 2 x q.nbytes to the next rank, n-1 times. Each block's
+    dK, dV accumulator follows one step behind, 2 x q.nbytes to the next rank n times, and is home
+    after n steps; dq stays home. Each step: post K, V on; compute; wait; add the accumulator that
+    came from the previous rank to this rank's share of the block; post it on to the next rank."""
     n, r, after, before = _ring(group)
+    _shape_check(q, k, v, n, layout)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     mine = chunk_ids(n, r, layout)
     split = lambda t: t.chunk(len(mine), dim=2)
-    qs, dos, lses, deltas = split(q), split(do), split(lse), split((do * out).sum(-1))
+    qs, dos, lses, deltas = split(q), split(do), split(lse), split((do * out).sum(-1))  # delta: [b, h, seq/n]
     dq = [torch.zeros_like(c) for c in qs]
-    kv, incoming, acc_requests = torch.stack([k, v]).contiguous(), None, []
+    kv, incoming, in_flight = torch.stack([k, v]).contiguous(), None, []
     for step in range(n):
-        owner = (r - step) % n
         nxt, requests = _pass_on(kv, after, before, group) if step < n - 1 else (None, [])
-        theirs = chunk_ids(n, owner, layout)
-        dkv = torch.zeros_like(kv)  # [2, b, h, seq/n, d]: this rank's share of the block's dK, dV
+        theirs = chunk_ids(n, (r - step) % n, layout)
+        share = torch.zeros_like(kv)  # [2, b, h, seq/n, d]: this rank's part of the block's dK, dV
         kcs, vcs = kv[0].chunk(len(theirs), 2), kv[1].chunk(len(theirs), 2)
-        dks, dvs = dkv[0].chunk(len(theirs), 2), dkv[1].chunk(len(theirs), 2)
+        dks, dvs = share[0].chunk(len(theirs), 2), share[1].chunk(len(theirs), 2)
         for a, i in enumerate(mine):
             for b_, j in enumerate(theirs):
                 kind = pair_kind(i, j, causal)
                 if kind == "skip":
                     continue
-                g_q, g_k, g_v = _block_grads(qs[a], kcs[b_], vcs[b_], dos[a], lses[a], deltas[a], scale,
-                                             kind == "diagonal")
+                g_q, g_k, g_v = block_attention_backward(dos[a], qs[a], kcs[b_], vcs[b_], lses[a], deltas[a], scale,
+                                                         kind == "diagonal")
                 dq[a] += g_q
                 dks[b_].add_(g_k)
                 dvs[b_].add_(g_v)
-        _wait(acc_requests)
+        _wait(in_flight + requests)
         if incoming is not None:
-            dkv += incoming  # what the ranks before this one added to the block
+            share += incoming  # what the ranks before this one added to the block
         if n > 1:
-            incoming, acc_requests = _pass_on(dkv, after, before, group)
-        _wait(requests)
+            incoming, in_flight = _pass_on(share, after, before, group)
         kv = nxt
-    _wait(acc_requests)
-    dkv = incoming if n > 1 else dkv  # my own block's, home after n steps
+    _wait(in_flight)
+    dkv = incoming if n > 1 else share  # my own block's, home after n steps
     return torch.cat(dq, 2), dkv[0], dkv[1]
 
 
@@ -245,7 +254,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        dq, dk, dv = _ring_backward(do.contiguous(), *ctx.saved_tensors, *ctx.args)
+        dq, dk, dv = ring_attention_backward(do.contiguous(), *ctx.saved_tensors, *ctx.args)
         return dq, dk, dv, None, None, None, None
 
 

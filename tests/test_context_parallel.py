@@ -3,8 +3,9 @@ sizes 2 and 4: values and the gradients of q, k, v equal F.scaled_dot_product_at
 whole sequence in one process (causal and not, contiguous and zig-zag, random shapes); the
 ring talks only to its neighbours and sends the bytes of the formula; Ulysses makes four
 all-to-alls each way; the attention block stores 1/n of one rank's activations; zig-zag
-balances causal work; bad sizes are refused with the sizes named. On GPUs: equal to
-PyTorch's own context_parallel."""
+balances causal work; bad sizes are refused with the sizes named. The ring's public backward,
+from the forward's out and lse, equals autograd of one process at 1 and 3 ranks, and one
+block's backward is autograd of that block. On GPUs: equal to PyTorch's own context_parallel."""
 from __future__ import annotations
 
 import itertools
@@ -84,6 +85,51 @@ def test_ring_attention_and_ulysses_equal_sdpa_on_the_whole_sequence_in_values_a
                 local = (what[2][0], what[2][1], what[2][2] // n, what[2][3])
                 sent = sum(b for op, _, b in forward + backward if op == "isend")
                 assert sent == cp.ring_bytes_per_rank(local, n, backward=True)
+
+
+def _backward_against_autograd(seed: int):
+    """Every case on a fresh random shape: cp.ring_attention_backward on this rank's part, from
+    cp.ring_attention_forward's out and lse, against autograd of SDPA on the whole sequence."""
+    import torch.distributed as dist
+    n, r = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(seed)
+    for causal, layout in CASES:
+        shape = _shape(g, n)
+        q, k, v, do = (torch.randn(shape, generator=g) for _ in range(4))
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*whole, is_causal=causal).backward(do)
+        part = lambda t: cp.shard_sequence(t, n, r, layout)
+        mine = [part(t) for t in (q, k, v)]
+        out, lse = cp.ring_attention_forward(*mine, causal=causal, layout=layout)
+        grads = cp.ring_attention_backward(part(do), *mine, out, lse, causal=causal, layout=layout)
+        for name, got, want in zip("qkv", grads, whole):
+            torch.testing.assert_close(got, part(want.grad), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"d{name} (causal={causal}, {layout}, {shape}): {m}")
+    return True
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_ring_attention_backward_from_the_forwards_out_and_lse_equals_autograd_of_one_process(n):
+    assert parakit.launch(_backward_against_autograd, n, world_size=n) == [True] * n
+
+
+def test_block_attention_backward_is_autograd_of_one_block_and_sums_over_blocks_of_keys():
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(2, 3, 6, 4, generator=g) for _ in range(4))
+    for diagonal in (False, True):
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = cp.block_attention(*whole, 0.5, diagonal)
+        out.backward(do)
+        delta = (do * out).detach().sum(-1)
+        grads = cp.block_attention_backward(do, q, k, v, lse.detach(), delta, 0.5, diagonal)
+        torch.testing.assert_close(grads, tuple(t.grad for t in whole))
+    out, lse = cp.block_attention(q, k, v, 0.5)  # two blocks of keys, with the whole's lse and delta:
+    dq, dk, dv = cp.block_attention_backward(do, q, k, v, lse, (do * out).sum(-1), 0.5)
+    halves = [cp.block_attention_backward(do, q, k[:, :, i:i + 3], v[:, :, i:i + 3], lse, (do * out).sum(-1), 0.5)
+              for i in (0, 3)]
+    torch.testing.assert_close(halves[0][0] + halves[1][0], dq)  # dq sums over them
+    torch.testing.assert_close(torch.cat([h[1] for h in halves], 2), dk)  # dk, dv are each block's own
+    torch.testing.assert_close(torch.cat([h[2] for h in halves], 2), dv)
 
 
 def ring_posts(causal, layout):
