@@ -89,6 +89,98 @@ RING_WAITS_AT_ONCE = RING_HEAD + '''    out = lse = None
     return out, lse
 '''
 
+BACKWARD_HEAD = '''def ring_backward(do, q, k, v, out, lse):
+    n, r = dist.get_world_size(), dist.get_rank()
+    scale, delta = q.shape[-1] ** -0.5, (do * out).sum(-1)
+    kv = torch.stack([k, v])
+'''
+
+BACKWARD_GATHERS = '''def ring_backward(do, q, k, v, out, lse):
+    n, r = dist.get_world_size(), dist.get_rank()
+    kv = torch.stack([k, v])
+    every = torch.empty(n * 2, *k.shape, dtype=k.dtype, device=k.device)
+    dist.all_gather_into_tensor(every, kv)                  # every rank's K and V at once
+    k_all, v_all = (torch.cat(list(every[i::2]), 2) for i in (0, 1))
+    dq, dk, dv = cp.block_attention_backward(do, q, k_all, v_all, lse, (do * out).sum(-1), q.shape[-1] ** -0.5)
+    dkv = torch.cat([torch.stack(pair) for pair in zip(dk.chunk(n, 2), dv.chunk(n, 2))])
+    mine = torch.empty_like(kv)
+    dist.reduce_scatter_tensor(mine, dkv)                   # each block's dK, dV summed on its owner
+    return dq, mine[0], mine[1]
+'''
+
+BACKWARD_STRAIGHT_HOME = BACKWARD_HEAD + '''    dq, dkv = torch.zeros_like(q), torch.zeros_like(kv)
+    for step in range(n):
+        if step < n - 1:
+            nxt = torch.empty_like(kv)
+            requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, (r + 1) % n),
+                                               dist.P2POp(dist.irecv, nxt, (r - 1) % n)])
+        dq_part, dk, dv = cp.block_attention_backward(do, q, kv[0], kv[1], lse, delta, scale)
+        dq += dq_part
+        share = torch.stack([dk, dv])
+        if step == 0:
+            dkv += share                                    # my own block's part stays
+        else:                                               # straight home to the block's owner, r - step,
+            got = torch.empty_like(share)                   # and my block's part from r + step
+            for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, share, (r - step) % n),
+                                                   dist.P2POp(dist.irecv, got, (r + step) % n)]):
+                request.wait()
+            dkv += got
+        if step < n - 1:
+            for request in requests:
+                request.wait()
+            kv = nxt
+    return dq, dkv[0], dkv[1]
+'''
+
+BACKWARD_KEEPS_EVERY_BLOCK = BACKWARD_HEAD + '''    blocks, incoming, in_flight = [], None, []
+    for step in range(n):
+        requests = []
+        if step < n - 1:
+            nxt = torch.empty_like(kv)
+            requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, (r + 1) % n),
+                                               dist.P2POp(dist.irecv, nxt, (r - 1) % n)])
+        _, dk, dv = cp.block_attention_backward(do, q, kv[0], kv[1], lse, delta, scale)
+        blocks.append(kv)                                   # every block kept, for dq at the end
+        share = torch.stack([dk, dv])
+        for request in in_flight + requests:
+            request.wait()
+        if incoming is not None:
+            share += incoming
+        if n > 1:
+            incoming = torch.empty_like(share)
+            in_flight = dist.batch_isend_irecv([dist.P2POp(dist.isend, share, (r + 1) % n),
+                                                dist.P2POp(dist.irecv, incoming, (r - 1) % n)])
+        if step < n - 1:
+            kv = nxt
+    for request in in_flight:
+        request.wait()
+    k_all, v_all = torch.cat([b[0] for b in blocks], 2), torch.cat([b[1] for b in blocks], 2)
+    dq = cp.block_attention_backward(do, q, k_all, v_all, lse, delta, scale)[0]   # over every key at once
+    dkv = incoming if n > 1 else share
+    return dq, dkv[0], dkv[1]
+'''
+
+BACKWARD_WAITS_AT_ONCE = BACKWARD_HEAD + '''    dq, incoming = torch.zeros_like(q), None
+    for step in range(n):
+        if step < n - 1:
+            nxt = torch.empty_like(kv)
+            for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, (r + 1) % n),
+                                                   dist.P2POp(dist.irecv, nxt, (r - 1) % n)]):
+                request.wait()                              # posted, then waited before any compute
+        dq_part, dk, dv = cp.block_attention_backward(do, q, kv[0], kv[1], lse, delta, scale)
+        dq += dq_part
+        share = torch.stack([dk, dv]) + (incoming if incoming is not None else 0)
+        if n > 1:
+            incoming = torch.empty_like(share)
+            for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, share, (r + 1) % n),
+                                                   dist.P2POp(dist.irecv, incoming, (r - 1) % n)]):
+                request.wait()                              # the accumulator too
+        if step < n - 1:
+            kv = nxt
+    dkv = incoming if n > 1 else share
+    return dq, dkv[0], dkv[1]
+'''
+
 CAUSAL_NO_SKIP = '''def ring_forward_causal(q, k, v):
     n, r = dist.get_world_size(), dist.get_rank()
     scale, mine = q.shape[-1] ** -0.5, (r, 2 * n - 1 - r)
@@ -195,6 +287,38 @@ CAUSAL_KEYS_FIRST = '''def ring_forward_causal(q, k, v):
     return torch.cat([out[0][0], out[1][0]], dim=2), torch.cat([out[0][1], out[1][1]], dim=2)
 '''
 
+BACKWARD_ACCUMULATOR_FIRST = '''def ring_backward(do, q, k, v, out, lse):
+    n, r = dist.get_world_size(), dist.get_rank()
+    scale, delta = q.shape[-1] ** -0.5, (do * out).sum(-1, keepdim=True)
+    kv, done, dq = torch.stack([k, v]), None, torch.zeros_like(q)
+    for step in range(n):
+        requests = []
+        if done is not None:                                # last step's accumulator first, then K and V
+            incoming = torch.empty_like(done)
+            requests += dist.batch_isend_irecv([dist.P2POp(dist.isend, done, (r + 1) % n),
+                                                dist.P2POp(dist.irecv, incoming, (r - 1) % n)])
+        if step < n - 1:
+            nxt = torch.empty_like(kv)
+            requests += dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, (r + 1) % n),
+                                                dist.P2POp(dist.irecv, nxt, (r - 1) % n)])
+        p = torch.exp(torch.einsum("bhqd,bhkd->bhqk", q, kv[0]) * scale - lse[..., None])
+        ds = p * (torch.einsum("bhqd,bhkd->bhqk", do, kv[1]) - delta)
+        dq += torch.einsum("bhqk,bhkd->bhqd", ds, kv[0]) * scale
+        mine = torch.stack([torch.einsum("bhqk,bhqd->bhkd", ds, q) * scale, torch.einsum("bhqk,bhqd->bhkd", p, do)])
+        for request in reversed(requests):                  # waited in the other order
+            request.wait()
+        done = mine if step == 0 else mine + incoming
+        if step < n - 1:
+            kv = nxt
+    if n > 1:                                               # the last one goes home
+        home = torch.empty_like(done)
+        for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, done, (r + 1) % n),
+                                               dist.P2POp(dist.irecv, home, (r - 1) % n)]):
+            request.wait()
+        done = home
+    return dq, done[0], done[1]
+'''
+
 PAIR_OTHER_CALLS = '''class GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -236,21 +360,28 @@ BORROWED = {
                            "    return cp.ring_attention_forward(q, k, v, causal=True, layout='zigzag')\n",
     "sequence_pair": BORROWED_PAIR,
     "seq_to_heads": "def seq_to_heads(x):\n    return ulysses.seq_to_heads(x)\n",
+    "ring_backward": "def ring_backward(do, q, k, v, out, lse):\n"
+                     "    return cp.ring_attention_backward(do, q, k, v, out, lse)\n",
 }
 
 
 def students(lesson: Path, solution: Path) -> list[panel.Student]:
     """Lesson 08. The hard-coder merges with exp of the log-sum-exps themselves (overflows on
     the hidden large ones) and re-shards without checking that the ranks divide the heads:
-    each fails its hidden tests. The borrower calls parakit's merge, ring, sequence pair and
-    re-shard: 0 on every exercise. The kernel hangs in the causal ring and dies in the re-shard.
-    Wrong techniques with right values, 0 on their exercise: a ring that keeps every block and
-    takes one softmax at the end (its bytes held grow), one with blocking send/recv and one that
-    waits before computing (nothing in flight while it computes), a causal ring that computes the
-    masked chunk pairs and throws them away (more multiply-adds), a sequence pair and a re-shard
-    made of all-reduces and an all-gather. Right ones written another way keep full marks: a ring
-    with K and V concatenated, einsum, logaddexp and its waits reversed; a causal ring looping over
-    key chunks first; a sequence pair with a list all-gather and the pieces laid out by hand."""
+    each fails its hidden tests. The borrower calls parakit's merge, ring, sequence pair,
+    re-shard and ring backward: 0 on every exercise. The kernel hangs in the causal ring and
+    dies in the re-shard. Wrong techniques with right values, 0 on their exercises: rings that
+    keep every block, forward (one softmax at the end) and backward (dq over every key at the
+    end; the bytes held grow), a forward with blocking send/recv, a forward and a backward that
+    wait on each transfer before computing (nothing in flight while they compute), a causal ring
+    that computes the masked chunk pairs and throws them away (more multiply-adds), a sequence
+    pair made of all-reduces, a re-shard by all-gather with a backward that all-gathers K and V
+    and reduce-scatters dK, dV (`gathers_instead`), and a backward that passes K and V round the
+    ring but sends each block's dK, dV straight home to its owner (other peers, fewer bytes).
+    Right ones written another way keep full marks: a ring with K and V concatenated, einsum,
+    logaddexp and its waits reversed, with a backward in einsum that posts the accumulator at
+    the top of the next step, before K and V; a causal ring looping over key chunks first; a
+    sequence pair with a list all-gather and the pieces laid out by hand."""
     hardcoded = {"merge": NAIVE_MERGE, "seq_to_heads": NO_HEADS_CHECK}
     full, pts = panel.full_solution(panel.load(lesson), panel.load(solution)), panel.points(panel.load(lesson))
 
@@ -259,13 +390,18 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
                              {t: 0.0 if t in zero else p for t, p in pts.items()})
 
     extra = [
-        student("ring_keeps_every_block", {"ring_forward": RING_KEEPS_EVERY_BLOCK}, ("test_ring_forward",)),
+        student("ring_keeps_every_block", {"ring_forward": RING_KEEPS_EVERY_BLOCK,
+                                           "ring_backward": BACKWARD_KEEPS_EVERY_BLOCK},
+                ("test_ring_forward", "test_ring_backward")),
         student("ring_blocking", {"ring_forward": RING_BLOCKING}, ("test_ring_forward",)),
-        student("ring_waits_at_once", {"ring_forward": RING_WAITS_AT_ONCE}, ("test_ring_forward",)),
+        student("ring_waits_at_once", {"ring_forward": RING_WAITS_AT_ONCE, "ring_backward": BACKWARD_WAITS_AT_ONCE},
+                ("test_ring_forward", "test_ring_backward")),
         student("causal_no_skip", {"ring_forward_causal": CAUSAL_NO_SKIP}, ("test_ring_forward_causal",)),
         student("pair_all_reduce", {"sequence_pair": PAIR_ALL_REDUCE}, ("test_sequence_pair",)),
-        student("ulysses_all_gather", {"seq_to_heads": ULYSSES_ALL_GATHER}, ("test_seq_to_heads",)),
-        student("ring_own_math", {"ring_forward": RING_OWN_MATH}),
+        student("gathers_instead", {"seq_to_heads": ULYSSES_ALL_GATHER, "ring_backward": BACKWARD_GATHERS},
+                ("test_seq_to_heads", "test_ring_backward")),
+        student("backward_straight_home", {"ring_backward": BACKWARD_STRAIGHT_HOME}, ("test_ring_backward",)),
+        student("ring_own_math", {"ring_forward": RING_OWN_MATH, "ring_backward": BACKWARD_ACCUMULATOR_FIRST}),
         student("causal_keys_first", {"ring_forward_causal": CAUSAL_KEYS_FIRST}),
         student("pair_other_calls", {"sequence_pair": PAIR_OTHER_CALLS}),
     ]
