@@ -226,6 +226,22 @@ def test_a_check_waits_ten_times_the_references_time_so_a_slowed_right_answer_ke
         student.close()
 
 
+def test_a_hung_check_costs_the_judges_floor_not_the_checks_60_s_timeout(runner):
+    """The judge cuts a check's timeout (60 s by default) to its floor (JudgeConfig.cell_floor,
+    3 s here): beside a 0.1 s reference, an answer that takes 1 s keeps its marks and one that
+    hangs is cut at the floor."""
+    from parakit.grading.judge import Sealed
+    student = Runner(JudgeConfig())
+    try:
+        sealed = Sealed(runner, student, [], [], {}, [], floor=3.0)
+        sealed.check(lambda seconds: sleep_then_one(10 * seconds), sleep_then_one, takes(0.1), world_sizes=(1,), trials=1)
+        with pytest.raises(AssertionError, match=r"did not finish within 3(\.0+)? s"):
+            sealed.check(lambda seconds: sleep_then_one(600 * seconds), sleep_then_one, takes(0.1), world_sizes=(1,),
+                         trials=1)
+    finally:
+        student.close()
+
+
 def gradients_reduced(how: str, sizes):
     """A tiny MLP's backward on this rank, its gradients all-reduced `how`: "async" (each as its
     hook fires, waited after backward), "async_reversed" (the same, waited in reverse),

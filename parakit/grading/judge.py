@@ -83,18 +83,21 @@ class Sealed:
     """`grading.check` and `check_local` as the judge runs them, for one submission."""
 
     def __init__(self, reference: Runner, student: Runner, cells: list[tuple[str, str, bool]],
-                 hidden: list[str], cache: dict, kept: list[str]):
+                 hidden: list[str], cache: dict, kept: list[str], floor: float = math.inf):
         self.reference, self.student, self.cells, self.hidden = reference, student, cells, hidden
         self.kept = kept                # the instructor's sources: what they name is never withheld
+        self.floor = floor              # a check's `timeout` above this is cut to it (JudgeConfig.cell_floor)
         self.cache = cache
         self.references: list = []      # the reference callables the checks used (for the copy report)
 
     def _pair(self, student_job, reference_job, world_size, timeout) -> tuple[Run, Run]:
         """The student's run and the reference's, side by side (the reference once per input).
-        The student's limit is `timeout` or REFERENCE_TIMES the reference's own time on the same
-        input, whichever is longer, and does not run out while the reference still runs: a
-        loaded machine slows both alike, so it never zeroes a right answer. The reference (the
-        instructor's code) is bounded only against a hang, at REFERENCE_TIMES x `timeout`."""
+        The student's limit is REFERENCE_TIMES the reference's own time on the same input, or
+        `timeout` (at most the floor) where that is longer, and does not run out while the
+        reference still runs: a loaded machine slows both alike, so it never zeroes a right
+        answer, and a hang costs the floor (15 s; every full solution's runs took at most 3.5 s
+        on 2 cores at load 4.5). The reference (the instructor's code) is bounded only against
+        a hang, at REFERENCE_TIMES x `timeout`."""
         key = hashlib.sha256(reference_job.call + bytes([world_size])).hexdigest()
         thread = None
         if key not in self.cache:
@@ -108,7 +111,8 @@ class Sealed:
                 self.cache[key] = (run, time.monotonic() - start)
             thread = threading.Thread(target=reference)
             thread.start()
-        limit = lambda: max(timeout, REFERENCE_TIMES * self.cache[key][1]) if key in self.cache else math.inf  # noqa: E731
+        least = min(timeout, self.floor)
+        limit = lambda: max(least, REFERENCE_TIMES * self.cache[key][1]) if key in self.cache else math.inf  # noqa: E731
         mine = self.student.run(student_job, world_size, limit)
         if thread is not None:
             thread.join()
@@ -330,7 +334,7 @@ class Judge:
             namespace[name] = StudentName((name,))
         kept = [python_source(c.source) for c in [*self.tests.values(), *self.answers.values()]]
         sealed = Sealed(*self.runners(), cells, self.config.hidden, self.cache,
-                        [source for _, source, student in cells if not student] + kept)
+                        [source for _, source, student in cells if not student] + kept, self.config.cell_floor)
         verdicts = []
         for gid, cell in self.tests.items():
             seed = int(hashlib.sha256(f"{self.config.salt}/{gid}".encode()).hexdigest()[:12], 16)

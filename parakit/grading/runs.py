@@ -23,7 +23,8 @@ __all__ = ["JudgeConfig", "Run", "Runner", "outcome"]
 @dataclass
 class JudgeConfig:
     """How the judge runs: per-cell timeout (a student's cell gets ten times the solution's
-    own time for it, at least `cell_floor`, at most `cell_timeout`), the course's folders a
+    own time for it, at least `cell_floor`, at most `cell_timeout`; a check's run ten times the
+    reference's, at least `cell_floor` or the check's own smaller timeout), the course's folders a
     student's rank may not read, where scratch folders go, the salt that makes inputs
     unguessable, and whether a student's ranks are confined by the operating system."""
 
