@@ -139,10 +139,12 @@ ATTEMPTS = {
 
 
 def test_a_locked_rank_is_refused_each_way_out_while_its_scratch_folder_works(runner):
-    cells = [("<scratch>", "open('mine.txt', 'w').write('ok')", True), *((k, v, True) for k, v in ATTEMPTS.items())]
+    scratch = ("<scratch>", "open('mine.txt', 'w').write('ok')\nimport os, tempfile\n"  # tempfile's folders too
+               "assert os.path.dirname(tempfile.mkdtemp()) == os.getcwd()", True)
+    cells = [scratch, *((k, v, True) for k, v in ATTEMPTS.items())]
     job = sandbox.Job(cloudpickle.dumps((int, [])), True, cells, b"", True, runner.config.hidden, report_cells=True)
     notes = runner.run(job, 1, 30).notes[0]
-    assert notes[0] == "cell 0 ok" and len(notes) == len(cells)
+    assert notes[0] == "cell 0 ok" and len(notes) == len(cells), notes[0]
     for what, note in zip(ATTEMPTS, notes[1:]):
         assert "error Refused: a graded process may " in note, (what, note)
     assert not os.path.exists("/tmp/parakit-sealed-escape")

@@ -23,6 +23,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import traceback
 from dataclasses import dataclass, field
 
@@ -296,6 +297,7 @@ def _isolate(scratch: str, rank: int) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     os.chdir(scratch)
     os.environ.update(HOME=scratch, TMPDIR=scratch, MPLCONFIGDIR=scratch)
+    tempfile.tempdir = None  # the zygote's choice (/tmp) forgotten: tempfile reads TMPDIR again
 
 
 def _run(spec: dict) -> None:
