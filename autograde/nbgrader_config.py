@@ -37,6 +37,7 @@ c.ClearHiddenTests.end_test_delimeter = "END HIDDEN TESTS"
 # the cell is recorded as failed; the rest of the notebook still runs.
 c.Execute.timeout = 300
 c.Execute.interrupt_on_timeout = True
+c.Execute.startup_timeout = 300  # a kernel's start: 2-3 s idle, minutes seen beside busy loops (nbclient's default: 60)
 c.Execute.kernel_name = "python3"  # the ipykernel of the interpreter that runs nbgrader
 c.Execute.extra_arguments = ["--IPKernelApp.log_level=ERROR"]  # no start-up warnings per student
 # A kernel that dies (os._exit, a segfault) or ignores the interrupt fails only the cell

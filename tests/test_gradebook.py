@@ -151,7 +151,10 @@ def by_student(by_lesson, tmp_path_factory) -> Graded:
     course = by_lesson.course.copy(tmp_path_factory.mktemp("by_student"))
     folder = hand_in_lessons(course.root.parent / "class", course, {"alice": ["toy", "01_toy"], "bob": ["toy"]})
     nbformat.write(panel.with_sources(toy_students(course)["alice"], {"add": CHEAT}), str(folder / "bob" / "toy.ipynb"))
-    return Graded(course, grade(course, folder, "--student", "bob", "--in-kernel"))
+    # --timeout bounds the in-kernel run's cells too (nbgrader's, not scaled to the solution's
+    # time): a cell that starts worker processes takes 5-20 s on 2 cores (nbgrader_config.py); 300 s
+    # so that a loaded machine only bounds a hang
+    return Graded(course, grade(course, folder, "--student", "bob", "--in-kernel", "--timeout", "300"))
 
 
 # ---------------------------------------------------------------------------- the formgrader

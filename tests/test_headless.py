@@ -28,7 +28,8 @@ CELLS = [  # the shapes of the lessons' explore calls: int sliders, a list, a pr
     "viz.explore(viz.checkpoint_plan, n=(16, 64), segments=(4, 16))",
 ]
 # Only a bound on a real hang: the verdict is the messages below, not the time. Cells take
-# 0.1-3 s at idle and up to ~20 s beside two busy loops (the first, importing matplotlib).
+# 0.1-3 s at idle and up to ~20 s beside two busy loops (the first, importing matplotlib); the
+# kernel starts in 2-3 s idle, and took minutes beside the suite and four busy loops.
 CELL_TIMEOUT = 300
 RUNS = 1  # the verdict (messages the client sends) does not depend on timing: one run under load decides it
 
@@ -42,7 +43,7 @@ def run_headless(nb) -> tuple[list[str], NotebookClient]:
     channel (a client that answers an Output widget sends comm messages there mid-cell)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PARAKIT_STATIC", "CI", "MPLBACKEND")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    client = NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3")
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT, startup_timeout=CELL_TIMEOUT, kernel_name="python3")
     sent = []
     with client.setup_kernel(env=env):
         send = client.kc.shell_channel.send
