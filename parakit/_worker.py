@@ -7,6 +7,9 @@ Two threads: the main thread runs tasks one after the other; a listener thread r
 control connection, queues tasks, answers status questions at once (even while the main
 thread waits inside a collective), and ends the process when the caller goes away.
 
+A task's process groups are destroyed when it returns (a %%ranks cell's stay, for the next
+cell): a pool that kept them would hold a communicator for every group every call ever made.
+
 Devices follow `parakit.devices`' rule: under NCCL rank r works on GPU r, made current before
 its process group exists and passed as device_id; the task's tensors (inside any object)
 arrive on that device, and the result's go back to the CPU, detached.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import ctypes
+import gc
 import inspect
 import io
 import linecache
@@ -75,6 +79,7 @@ def _run(rank, task_id, payload):
     and this rank, on the CPU and detached."""
     comm.TRACKER.reset()
     emulation.idle(False, task_id)
+    groups = _groups()
     try:
         cwd, path, sources, prefix, blob = payload
         _sync_caller_context(cwd, path, sources)
@@ -84,6 +89,8 @@ def _run(rank, task_id, payload):
         return ("broken" if emulation.broken() else "error", _format_error(error), comm.TRACKER.seq)
     finally:
         emulation.idle(True, task_id)
+    if fn is not run_cell:  # a %%ranks cell's groups live on with its names, for the next cell
+        _destroy_groups_since(groups)
     try:
         return ("ok", _shm.dumps(result, f"{prefix}r{rank}-", detach=True), comm.TRACKER.seq)
     except Exception as error:
@@ -91,6 +98,22 @@ def _run(rank, task_id, payload):
                    f"({type(error).__name__}: {error}). Return tensors, numbers, strings or "
                    f"lists/dicts of them.")
         return ("unsendable", message, comm.TRACKER.seq)
+
+
+def _groups() -> list:
+    """This rank's process groups, the world's first, in the order they were made."""
+    return list(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else []
+
+
+def _destroy_groups_since(before) -> None:
+    """Destroy the process groups a task made and returned from, the newest first, alike on
+    every rank: each holds a communicator (under gloo a thread that wakes every 10 ms, under
+    NCCL GPU memory) that would otherwise live as long as the pool."""
+    made = [g for g in _groups() if g not in before]
+    for group in reversed(made):
+        _ORIGINAL["destroy"](group)
+    if made:
+        gc.collect()  # a group's objects often sit in reference cycles (meshes, modules)
 
 
 def _listen(conn):

@@ -302,6 +302,25 @@ def test_pool_stays_warm_between_calls_and_is_not_forked_from_the_caller():
     assert all(parent_of(pid) != os.getpid() for pid in first)  # a forkserver's children
 
 
+def groups_and_gloo_threads(make=0):
+    """This rank's process groups and gloo threads, after making `make` more groups (used once each)."""
+    for _ in range(make):
+        dist.all_reduce(torch.ones(1), group=dist.new_group(list(range(dist.get_world_size()))))
+    threads = [t for t in os.listdir("/proc/self/task")
+               if open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop"]
+    return len(dist.distributed_c10d._world.pg_map), len(threads)
+
+
+def test_the_process_groups_a_call_makes_are_destroyed_when_it_returns():
+    """Each holds a gloo thread that wakes every 10 ms (an NCCL communicator's GPU memory): a pool
+    that kept them would hold one more per group each call makes, for as long as it lives."""
+    before = launcher.launch(groups_and_gloo_threads, world_size=2)
+    inside = launcher.launch(groups_and_gloo_threads, 5, world_size=2)
+    after = launcher.launch(groups_and_gloo_threads, world_size=2)
+    assert all(made == (groups + 5, threads + 5) for made, (groups, threads) in zip(inside, before))
+    assert after == before
+
+
 def test_pools_of_two_and_four_ranks_coexist():
     two, four = worker_pids(2), worker_pids(4)
     assert not set(two) & set(four)

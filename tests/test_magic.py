@@ -29,6 +29,14 @@ def test_ranks_keep_their_namespace_between_cells(ip, capsys):
     assert "[rank 0] 200" in out and "[rank 1] 202" in out
 
 
+def test_a_group_made_in_one_cell_serves_the_next(ip, capsys):
+    """A %%ranks cell's process groups live on with its names (a launched call's are destroyed)."""
+    ip.run_cell_magic("ranks", "2", "import torch, torch.distributed as dist\npair = dist.new_group([0, 1])")
+    ip.run_cell_magic("ranks", "2", "x = torch.ones(1)\ndist.all_reduce(x, group=pair)\nx.item()")
+    out = capsys.readouterr().out
+    assert "[rank 0] 2.0" in out and "[rank 1] 2.0" in out
+
+
 def test_ranks_error_shows_cell_line_and_keeps_namespace(ip, capsys):
     ip.run_cell_magic("ranks", "2", "import torch.distributed as dist\nkept = 7")
     with pytest.raises(parakit.RankError) as error:
