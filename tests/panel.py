@@ -5,9 +5,9 @@ source of a hard-coded answer, of a student who calls the reference, ...) and th
 it expects; `standard_panel` adds the students every lesson is graded against:
 
     full           the lesson with every answer cell taken back from the solution
-    untouched      the lesson as released
     hardcoded      full, with some answers replaced by ones that only pass the visible tests
-    edited_tests   the lesson as released, every test cell replaced by `pass`
+    edited_tests   the lesson as released, every test cell replaced by `pass`: once the grader
+                   restores the tests, this is the untouched lesson, whose stubs score 0
     hang           full, one answer cell never returns
     crash          full, one answer cell kills the kernel
     missing_cells  full, the test cells of one exercise deleted
@@ -151,7 +151,6 @@ def standard_panel(lesson_path, solution_path, *, hardcoded: dict[str, str],
     missing = groups[missing_exercise or first]
     return [
         Student("full", {name: full}, full_except()),
-        Student("untouched", {name: lesson}, {}),
         Student("hardcoded", {name: with_sources(full, hardcoded)}, full_except(**hardcoded_expected)),
         Student("edited_tests", {name: with_sources(lesson, {t: EDITED_TEST for t in pts})}, {},
                 report=["edited test cells, restored"]),

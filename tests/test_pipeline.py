@@ -34,8 +34,9 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 def toy_panel(lesson: Path, solution: Path) -> list[panel.Student]:
     hardcoded = 'def add(a, b):\n    return {(1, 2): 3, (-1, 1): 0, (0, 0): 0}[(a, b)]  # the visible cases only\n'
+    untouched = panel.Student("untouched", {lesson.name: panel.load(lesson)}, {})  # a real lesson's is edited_tests
     return panel.standard_panel(lesson, solution, hardcoded={"add": hardcoded},
-                                hardcoded_expected={"test_add_hidden": 0.0})
+                                hardcoded_expected={"test_add_hidden": 0.0}, extra=[untouched])
 
 
 TOY = pytest.param(panel.Lesson(FIXTURES / "toy.ipynb", toy_panel, timeout=15), id="toy")  # its kernel imports torch
@@ -243,8 +244,9 @@ def test_solution_passes_validate_and_untouched_lesson_passes_validate_invert(bu
     # the course's 300 s a cell, a bound on a hang only: the panels' short per-cell limits are
     # for their hanging students, and the toy's 15 s was passed by a kernel importing torch under load.
     # The untouched lesson runs with --invert on the toy only: a real lesson's panel has the same
-    # check through the sealed grade (its "untouched" student scores 0 on every test), and a second
-    # whole run of each lesson would cost the suite about 160 s (all 11 under nbval on gloo, idle).
+    # check through the sealed grade (its edited_tests student, the untouched lesson once its tests
+    # are restored, scores 0 on every test), and a second whole run of each lesson would cost
+    # the suite about 160 s (all 11 under nbval on gloo, idle).
     assert course.validate(built.solutions, built.lessons, untouched=built.lesson.name == "toy") == []
 
 
