@@ -21,10 +21,11 @@ from parakit.launcher import LaunchError
 TINY = ["--hidden", "16", "--heads", "2", "--seq", "16", "--batch", "4", "--layers", "1"]
 
 
-def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def torchrun(*args: str, timeout: float = 480) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc-per-node 2 --max-restarts 2 -m parakit.run ARGS`, each attempt with a store of
     its own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a shared store can hand a restarted gloo group the dead attempt's
-    addresses, PyTorch issue #135712)."""
+    addresses, PyTorch issue #135712). `timeout` bounds a hang only: the killed-rank job takes 13 s idle and took
+    over 3 minutes beside two busy loops (its 3 attempts each start 2 fresh processes that import torch)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "--max-restarts", "2", "-m", "parakit.run", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
