@@ -314,9 +314,9 @@ def groups_and_gloo_threads(make=0):
 def test_the_process_groups_a_call_makes_are_destroyed_when_it_returns():
     """Each holds a gloo thread that wakes every 10 ms (an NCCL communicator's GPU memory): a pool
     that kept them would hold one more per group each call makes, for as long as it lives."""
-    before = launcher.launch(groups_and_gloo_threads, world_size=2)
-    inside = launcher.launch(groups_and_gloo_threads, 5, world_size=2)
-    after = launcher.launch(groups_and_gloo_threads, world_size=2)
+    before = launcher.launch(groups_and_gloo_threads, world_size=2, backend="gloo")
+    inside = launcher.launch(groups_and_gloo_threads, 5, world_size=2, backend="gloo")
+    after = launcher.launch(groups_and_gloo_threads, world_size=2, backend="gloo")
     assert all(made == (groups + 5, threads + 5) for made, (groups, threads) in zip(inside, before))
     assert after == before
 
