@@ -95,7 +95,7 @@ def launch(fn, *args, world_size: int, backend: str = "auto", timeout: float = D
     pickled call, its tensors' bytes once through shared memory for all ranks; each rank gets
     them on its own device (`parakit.device()`), and every result comes back on the CPU.
     The process groups `fn` makes (`dist.new_group`, a device mesh) are destroyed when it
-    returns; the pool keeps only the default group.
+    returns; those of a call that raised stay until the pool stops.
     """
     __tracebackhide__ = True
     _check_arguments(world_size, timeout)
