@@ -113,7 +113,18 @@ def _destroy_groups_since(before) -> None:
     for group in reversed(made):
         _ORIGINAL["destroy"](group)
     if made:
+        _forget_meshes()
         gc.collect()  # a group's objects often sit in reference cycles (meshes, modules)
+
+
+def _forget_meshes() -> None:
+    """Clear DTensor's caches that hand out DeviceMeshes (its sharding decisions, its redistribute
+    planners): they are keyed by meshes, and a mesh's equality leaves its groups out, so the next
+    task's equal mesh would get back the last one, whose groups are gone."""
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import _redistribute, debug
+        debug._clear_sharding_prop_cache()
+        _redistribute.clear_redistribute_planner_cache()
 
 
 def _listen(conn):

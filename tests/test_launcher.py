@@ -321,6 +321,22 @@ def test_the_process_groups_a_call_makes_are_destroyed_when_it_returns():
     assert after == before
 
 
+def doubled_on_a_fresh_mesh(value):
+    """A Partial DTensor on a new 1-D mesh over a new group, times 1, made whole: 2 * value on 2 ranks.
+    Each call's mesh equals the last one's (a mesh's equality leaves its groups out), so DTensor's
+    sharding caches hand back the last call's mesh, whose group is destroyed, unless they are cleared."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial
+    mesh = DeviceMesh.from_group(dist.new_group([0, 1]), "cpu")
+    return (DTensor.from_local(torch.full((2,), float(value)), mesh, [Partial()]) * 1).full_tensor()
+
+
+def test_a_call_after_one_whose_groups_were_destroyed_runs_dtensor_on_an_equal_mesh():
+    for value in (1, 2):
+        assert all(torch.equal(t, torch.full((2,), 2.0 * value))
+                   for t in launcher.launch(doubled_on_a_fresh_mesh, value, world_size=2, backend="gloo"))
+
+
 def test_pools_of_two_and_four_ranks_coexist():
     two, four = worker_pids(2), worker_pids(4)
     assert not set(two) & set(four)
