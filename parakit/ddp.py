@@ -43,6 +43,7 @@ from torch import nn
 
 from parakit import devices
 from parakit.groups import broadcast_from_first
+from parakit.hooks import register_post_accumulate_grad_hook
 
 __all__ = ["NaiveDDP", "FlatDDP", "OverlapDDP", "BucketedDDP", "assign_buckets", "allreduce_hook",
            "compress_hook", "timed_hook"]
@@ -73,7 +74,7 @@ class _DataParallel(nn.Module):
         self._ready: set[int] = set()  # ids of the parameters whose hook fired since the last finish
         self._sync = True
         for param in self._params:
-            param.register_post_accumulate_grad_hook(self._grad_ready)
+            register_post_accumulate_grad_hook(param, self._grad_ready)  # held weakly: see parakit.hooks
 
     def forward(self, *args, **kwargs):
         if self._ready:

@@ -4,7 +4,9 @@ exactly, and fail clearly on bad input."""
 from __future__ import annotations
 
 import copy
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -513,3 +515,23 @@ def test_wrapping_before_a_process_group_exists_says_what_to_do():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match=r"NaiveDDP needs a process group: call dist.init_process_group\(\) first"):
         NaiveDDP(mlp(0))
+
+
+def dropped_wrappers_are_freed() -> dict[str, bool]:
+    """Each wrapper on a group of its own, after a synchronised step, dropped: freed (with its group)?"""
+    freed = {}
+    for kind in WRAPPERS:
+        wrapper = getattr(ddp, kind)(mlp(0), process_group=dist.new_group([0, 1]))
+        wrapper(torch.randn(4, 6)).sum().backward()
+        wrapper.finish_gradient_synchronization()
+        ref = weakref.ref(wrapper)
+        del wrapper
+        gc.collect()
+        freed[kind] = ref() is None
+    return freed
+
+
+def test_a_dropped_wrapper_is_freed_with_its_process_group():
+    """Its gradient hooks hold it weakly: a parameter keeps them where the garbage collector does not
+    look, so a hook holding the wrapper would keep it, and its group's communicator, for good."""
+    assert parakit.launch(dropped_wrappers_are_freed, world_size=2) == [dict.fromkeys(WRAPPERS, True)] * 2

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "parakit"
 
 # Module-name prefixes, bottom to top; a module belongs to the layer of its longest matching prefix.
 LAYERS = {
-    "base": ("parakit.groups", "parakit.devices", "parakit.comm", "parakit.emulation"),
+    "base": ("parakit.groups", "parakit.hooks", "parakit.devices", "parakit.comm", "parakit.emulation"),
     "technique": ("parakit.dp", "parakit.ddp", "parakit.zero", "parakit.pipeline", "parakit.checkpoint",
                   "parakit.tensor_parallel", "parakit.parallel3d", "parakit.mesh", "parakit.sequence_parallel",
                   "parakit.context_parallel", "parakit.ulysses", "parakit.moe", "parakit.precision",

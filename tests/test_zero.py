@@ -4,6 +4,8 @@ ZeroRedundancyOptimizer and fully_shard do, and hold and send the bytes counted 
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -699,3 +701,30 @@ def test_hsdp_equals_torch_fully_shard_on_a_2d_mesh():
         torch.testing.assert_close(mine, torchs)
         layer = [("reduce_scatter_single", "shard"), ("all_reduce", "replicate")]  # each layer's, in both
         assert my_reductions == torch_reductions == [layer * 2] * STEPS
+
+
+def dropped_sharders_are_freed() -> dict[str, bool]:
+    """ZeRO-2's optimizer and FSDP on a group of their own, after a step, dropped: freed (with the group)?"""
+    freed = {}
+    for kind in ("ShardedOptimizer", "FullyShardedDataParallel"):
+        net, group = TiedNet(0), dist.new_group([0, 1])
+        if kind == "ShardedOptimizer":
+            owner = zero.ShardedOptimizer(net.parameters(), torch.optim.SGD, stage=2, group=group, lr=0.1)
+            net(torch.randn(4, 5)).sum().backward()
+            owner.step()
+        else:
+            owner = zero.FullyShardedDataParallel(net, units=net.units(), group=group)
+            owner(torch.randn(4, 5)).sum().backward()
+            owner.finish_gradient_synchronization()
+        ref = weakref.ref(owner)
+        del owner, net
+        gc.collect()
+        freed[kind] = ref() is None
+    return freed
+
+
+def test_a_dropped_sharded_optimizer_or_fsdp_is_freed_with_its_process_group():
+    """The optimizer's gradient hooks and FSDP's autograd nodes hold them weakly: each would otherwise
+    sit in a cycle the garbage collector never frees, and keep its group's communicator for good."""
+    expected = dict.fromkeys(["ShardedOptimizer", "FullyShardedDataParallel"], True)
+    assert parakit.launch(dropped_sharders_are_freed, world_size=2) == [expected] * 2

@@ -2,6 +2,8 @@
 group, HSDP: sharded within a node, replicated across nodes."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -67,13 +69,15 @@ class _GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard, fsdp, unit):
-        ctx.fsdp, ctx.unit = fsdp, unit
+        # held weakly: the module keeps the gathered views, whose grad_fn keeps ctx, a cycle through
+        # autograd's C++ graph that the garbage collector never frees (nor the wrapper's process group)
+        ctx.fsdp, ctx.unit = weakref.ref(fsdp), weakref.ref(unit)
         ctx.set_materialize_grads(False)
         return tuple(unit.gather())
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.fsdp._reduce_scatter(ctx.unit, grads)
+        ctx.fsdp()._reduce_scatter(ctx.unit(), grads)
         return None, None, None
 
 

@@ -6,6 +6,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from parakit.hooks import register_post_accumulate_grad_hook
 from parakit.precision import unsupported_dtype
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -194,7 +195,7 @@ class ShardedOptimizer:
         self._stale = False  # a gradient accumulated after its bucket went: step() reduces everything again
         self._synchronized = False  # the averages are in .grad (until the next backward or zero_grad)
         for p in trainable:
-            p.register_post_accumulate_grad_hook(self._grad_ready)
+            register_post_accumulate_grad_hook(p, self._grad_ready)  # held weakly: see parakit.hooks
 
     def _owner_of(self, param: torch.Tensor) -> int:
         return self.owners[self._index[id(param)]]
