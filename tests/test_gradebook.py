@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -159,18 +158,14 @@ def by_student(by_lesson, tmp_path_factory) -> Graded:
 
 # ---------------------------------------------------------------------------- the formgrader
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Lab:
-    """`.venv/bin/jupyter lab` started as the README says, in a process group of its own."""
+    """`.venv/bin/jupyter lab` started as the README says, in a process group of its own, on a
+    port the kernel picks (--port=0), read back from the server's runtime file: a port chosen
+    here and closed could be taken by the other pytest process before the server binds it."""
 
     def __init__(self, root_dir: Path, course_root: Path, home: Path):
         assert ENV_CONFIG.exists(), f"{ENV_CONFIG} is missing: run `bash .ci/setup` (it writes it)"
-        self.port, self.token = free_port(), "parakit-test-token"
+        self.port, self.token = None, "parakit-test-token"
         # the test's own course root, in the user's Jupyter config (read first: JUPYTER_PREFER_ENV_PATH=0);
         # everything else comes from the environment's configuration, as in the README's JupyterLab
         (home / "jupyter").mkdir(parents=True, exist_ok=True)
@@ -181,7 +176,8 @@ class Lab:
                "JUPYTER_CONFIG_DIR": str(home / "jupyter"), "JUPYTER_DATA_DIR": str(home / "data"),
                "JUPYTER_RUNTIME_DIR": str(home / "runtime")}
         self.log = home / "lab.log"
-        args = [f"{BIN}/jupyter", "lab", "--no-browser", f"--port={self.port}", "--ServerApp.ip=127.0.0.1",
+        args = [f"{BIN}/jupyter", "lab", "--no-browser", "--port=0", "--ServerApp.port_retries=0",
+                "--ServerApp.ip=127.0.0.1",
                 f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root_dir}"]
         if os.geteuid() == 0:
             args.append("--allow-root")
@@ -189,11 +185,13 @@ class Lab:
             self.process = subprocess.Popen(args, cwd=root_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             process_group=0)
         deadline = time.monotonic() + 240  # a loaded 2-core machine: a bound on a hang only
+        runtime = home / "runtime"
         while True:
-            try:
+            try:  # the server writes jpserver-<pid>.json once it listens
+                self.port = json.loads(next(runtime.glob("jpserver-*.json")).read_text())["port"]
                 self.get("/api/status")
                 return
-            except (urllib.error.URLError, ConnectionError):
+            except (StopIteration, json.JSONDecodeError, urllib.error.URLError, ConnectionError):
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     self.close()
                     raise AssertionError(f"JupyterLab did not start:\n{self.log.read_text()}")

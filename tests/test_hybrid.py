@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -277,9 +279,19 @@ def test_trainer_cli_refuses_nccl_without_gpus_before_joining_the_world(monkeypa
 # ---------------------------------------------------------------- two torchrun "nodes" on this machine's loopback
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the range the kernel hands out itself (binding port 0, connecting):
+    the rendezvous binds it seconds later, and a port from that range could meanwhile be taken
+    by a gloo group of the other pytest process."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    for port in random.sample(range(low // 2, low), 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:  # taken: another
+                continue
+    raise AssertionError(f"no free port in {low // 2}-{low - 1} (100 tried)")
 
 
 def stop_run(nodes, marker: str) -> list[int]:
