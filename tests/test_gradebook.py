@@ -171,13 +171,13 @@ class Lab:
         (home / "jupyter").mkdir(parents=True, exist_ok=True)
         (home / "jupyter" / "nbgrader_config.py").write_text(f"c.CourseDirectory.root = {str(course_root)!r}\n")
         path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != BIN)
+        runtime = home / "runtime"  # where the server writes jpserver-<pid>.json, with its port
         env = {**{k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "VIRTUAL_ENV"))},
                "PATH": path or "/usr/bin:/bin", "HOME": str(home), "JUPYTER_PREFER_ENV_PATH": "0",
                "JUPYTER_CONFIG_DIR": str(home / "jupyter"), "JUPYTER_DATA_DIR": str(home / "data"),
-               "JUPYTER_RUNTIME_DIR": str(home / "runtime")}
+               "JUPYTER_RUNTIME_DIR": str(runtime)}
         self.log = home / "lab.log"
-        args = [f"{BIN}/jupyter", "lab", "--no-browser", "--port=0", "--ServerApp.port_retries=0",
-                "--ServerApp.ip=127.0.0.1",
+        args = [f"{BIN}/jupyter", "lab", "--no-browser", "--port=0", "--ServerApp.ip=127.0.0.1",
                 f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root_dir}"]
         if os.geteuid() == 0:
             args.append("--allow-root")
@@ -185,9 +185,8 @@ class Lab:
             self.process = subprocess.Popen(args, cwd=root_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             process_group=0)
         deadline = time.monotonic() + 240  # a loaded 2-core machine: a bound on a hang only
-        runtime = home / "runtime"
         while True:
-            try:  # the server writes jpserver-<pid>.json once it listens
+            try:
                 self.port = json.loads(next(runtime.glob("jpserver-*.json")).read_text())["port"]
                 self.get("/api/status")
                 return
