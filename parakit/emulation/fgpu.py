@@ -30,7 +30,7 @@ import weakref
 
 import torch
 
-from parakit.emulation import amp
+from parakit.emulation import amp, numerics, rng
 
 __all__ = ["NAME", "install", "cpu_view", "memory_allocated", "max_memory_allocated", "reset_peak_memory_stats"]
 
@@ -255,10 +255,16 @@ def _kernel(op, *args, **kwargs):
         return _resize(*args, **kwargs)
     call = _Call(op)
     args, kwargs = call.to_cpu(args), call.to_cpu(kwargs)
-    with torch._C._ExcludeDispatchKeyGuard(_CPU_AUTOCAST):  # autocast("cpu") is not for a GPU's tensors
-        out = op(*args, **kwargs)
+    out = _compute(op, args, kwargs, current_device() if call.index is None else call.index)
     call.update_inputs()
     return call.to_fgpu(out)
+
+
+def _compute(op, args, kwargs, index: int):
+    """One operator's work on CPU views of fgpu:index's memory: drawn from that device's
+    generator (`rng`), rounded as a GPU's kernels round (`numerics`)."""
+    with torch._C._ExcludeDispatchKeyGuard(_CPU_AUTOCAST), rng.drawing(op, index):  # autocast("cpu") is not for a GPU's tensors
+        return numerics.call(op, args, kwargs)
 
 
 class _Call:
