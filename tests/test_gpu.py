@@ -783,9 +783,12 @@ def test_grading_check_on_n_gpus_gives_inputs_on_each_ranks_gpu_and_grades_right
 # GPUs each lesson needs for every cell that can use NCCL to get it: its largest world size under
 # backend 'auto' (launch, %%ranks, check's world_sizes, torchrun). Lesson 07's 2x2x2 cube cells
 # (8 ranks) run on gloo below 8 GPUs, by the 'auto' rule, as lesson 10's measurements always do.
+# Each lesson's GPUs: the largest world size its cells launch under "auto" on NCCL (07's 8-rank cells
+# fall back to gloo on a box with fewer GPUs). tests/test_suite.py fails on a CPU machine when a
+# solution notebook is missing here.
 NOTEBOOK_GPUS = {"00_collectives": 4, "01_data_parallel": 1, "02_ddp": 4, "03_zero": 4, "04_pipeline": 4,
                  "05_checkpointing": 2, "06_tensor_parallel": 4, "07_3d_parallelism": 4, "08_long_sequences": 4,
-                 "09_mixture_of_experts": 4, "10_planning": 2}
+                 "09_mixture_of_experts": 4, "10_planning": 2, "11_real_run": 4}
 NOTEBOOKS = sorted((REPO / "solutions").glob("[0-9][0-9]_*.ipynb"))
 CELL_TIMEOUT = 300  # seconds: a bound on a hang, not a measure
 
@@ -815,7 +818,8 @@ print("ERRORS " + json.dumps(errors + stopped))
 
 
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("notebook", [pytest.param(nb, marks=needs(NOTEBOOK_GPUS.get(nb.stem, 4)), id=nb.stem)
+@pytest.mark.parametrize("notebook", [pytest.param(nb, marks=needs(NOTEBOOK_GPUS.get(nb.stem, 4)),
+                                                   id=f"{nb.stem}-{NOTEBOOK_GPUS.get(nb.stem, '?')}gpu")
                                       for nb in NOTEBOOKS])
 def test_solution_notebook_runs_top_to_bottom_with_nccl(tmp_path, notebook):
     """The lesson in a kernel of this environment, in a folder of its own (the files its cells

@@ -1,6 +1,7 @@
 """The suite's own hooks (tests/conftest.py), run by pytest in a fresh interpreter."""
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -36,3 +37,18 @@ def test_a_failure_pytest_cannot_report_is_reported_as_text_and_the_session_goes
         in done.stdout
     assert "FAILED test_broken.py::test_fails_after_it - AssertionError: assert 3 == 4" in done.stdout
     assert "test_broken.py:8 in test_fails_where_pytest_cannot_report_it\n    assert [1] == [2]" in done.stdout
+
+
+def test_the_gpu_suite_knows_every_solution_notebook():
+    """test_gpu.py's NOTEBOOK_GPUS names every lesson (read from its source: the GPU suite is
+    skipped on a CPU machine, so only this test sees a lesson missing there)."""
+    tests = Path(__file__).parent
+    tree = ast.parse((tests / "test_gpu.py").read_text())
+    (table,) = [node.value for node in tree.body if isinstance(node, ast.Assign)
+                and any(getattr(t, "id", None) == "NOTEBOOK_GPUS" for t in node.targets)]
+    gpus = ast.literal_eval(table)
+    lessons = {path.stem for path in (tests.parent / "solutions").glob("[0-9][0-9]_*.ipynb")}
+    assert set(gpus) == lessons, (f"tests/test_gpu.py's NOTEBOOK_GPUS lacks {sorted(lessons - set(gpus))} and names "
+                                  f"{sorted(set(gpus) - lessons)}, which are not lessons: give each lesson the "
+                                  f"largest world size its cells launch under 'auto'")
+    assert all(isinstance(n, int) and 1 <= n <= 8 for n in gpus.values()), gpus
