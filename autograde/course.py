@@ -40,7 +40,7 @@ from nbgrader.validator import Validator
 from traitlets.config.loader import PyFileConfigLoader
 
 from autograde import feedback, gradebook
-from autograde.sealed import Result, Task, course_salt, grade_all, inspect_submission, read_submission, restore, snapshot
+from autograde.sealed import Result, Task, course_salt, grade_all, changed_since, fingerprints, inspect_submission, read_submission
 from parakit.grading import isolation
 
 HERE = Path(__file__).resolve().parent
@@ -382,6 +382,8 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
         if not chosen_lessons or not chosen_students:
             raise SystemExit(f"nothing to grade in {submissions}: no student folder holds a notebook named as a "
                              f"lesson ({', '.join(course.assignments())}.ipynb)" + "".join(f"\nnote: {n}" for n in notes))
+        guarded = [Path(parakit_dir()), course.solutions, *Path(HERE).glob("*.py")]
+        before = fingerprints(guarded)
         unfinished.write_text("a grade run is under way, or stopped before its end: the next one resumes\n")
         released = course.release(chosen_lessons)
         pairs = [(s, a) for s in chosen_students for a in chosen_lessons]
@@ -389,8 +391,6 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
         if not resuming:
             clear_outputs(out, set(pairs) | gone)
 
-        guarded = [Path(parakit_dir()), course.solutions, *Path(HERE).glob("*.py")]
-        kept = snapshot(guarded)
         unsealed = isolation.unavailable()
         if unsealed:
             print(f"WARNING: these grades are NOT SEALED: {unsealed}. Students' code will run without the "
@@ -413,11 +413,6 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
 
         def finished(result: Result) -> None:
             result.notes += strays.get((result.student, result.assignment), [])
-            changed = restore(kept, guarded)
-            if changed:  # the jail refuses such writes: this is the last line of defence
-                result.score, result.tests = 0.0, {g: (0.0, m) for g, (_, m) in result.tests.items()}
-                result.private.append("the course's files changed while this was graded (restored, scored 0): "
-                                      + ", ".join(changed[:5]))
             if unsealed and not any(n.startswith("NOT SEALED") for n in result.private):
                 result.private.append(f"NOT SEALED: {unsealed}")
             save_result(result, journal[(result.student, result.assignment)])
@@ -429,6 +424,11 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
             results = [done.get(_key(t)) or next(fresh) for t in tasks]
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+        changed = changed_since(before, guarded)
+        if changed:
+            notes.append(f"{len(changed)} course file(s) changed during this run, kept as they are (grading writes "
+                         f"none; a student's ranks cannot reach them): " + ", ".join(changed[:5])
+                         + (", ..." if len(changed) > 5 else ""))
         if in_kernel:
             for result in results:
                 result.private += compare_in_kernel(course, result, found, released)

@@ -8,8 +8,8 @@ the reference's results for the class's (secretly seeded, shared) inputs are com
 """
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 import secrets
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -227,25 +227,19 @@ def write_graded(task: Task, nb, result: Result, released) -> None:
         feedback.page(result, released), encoding="utf-8")
 
 
-def snapshot(paths: list[Path]) -> dict[Path, bytes]:
-    """Every file under `paths`, by content: what a student's process must not change."""
+def fingerprints(paths: list[Path]) -> dict[Path, str]:
+    """Every file under `paths` by the hash of its content."""
     files = {}
     for root in paths:
         for path in sorted(Path(root).rglob("*")) if Path(root).is_dir() else [Path(root)]:
             if path.is_file() and "__pycache__" not in path.parts:
-                files[path] = path.read_bytes()
+                files[path] = hashlib.sha256(path.read_bytes()).hexdigest()
     return files
 
 
-def restore(files: dict[Path, bytes], paths: list[Path]) -> list[str]:
-    """Put back every file of the snapshot that changed or vanished, remove new ones;
-    the paths that differed."""
-    changed = [p for p, data in files.items() if not p.is_file() or p.read_bytes() != data]
-    added = [p for p in snapshot(paths) if p not in files]
-    for path in changed:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(files[path])
-    for path in added:
-        os.remove(path)
-    return [str(p) for p in changed + added]
-
+def changed_since(before: dict[Path, str], paths: list[Path]) -> list[str]:
+    """The files under `paths` that changed, appeared or went since `before` was taken. Only
+    reported: grading never writes, reverts or removes a course file (an instructor may be
+    editing next week's lesson while a class is graded)."""
+    now = fingerprints(paths)
+    return [str(p) for p in sorted(set(before) | set(now)) if before.get(p) != now.get(p)]

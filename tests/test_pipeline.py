@@ -15,6 +15,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,9 +77,8 @@ CODE: list[Path] = []  # where the copy of parakit and autograde that `run_cours
 
 @pytest.fixture(scope="module", autouse=True)
 def code_copy(tmp_path_factory) -> Path:
-    """parakit and autograde, copied: the grader guards the code it runs and puts back any file
-    that changed while it graded, so run on the checkout it would undo an edit made meanwhile
-    (and grade with half of one)."""
+    """parakit and autograde, copied: a grade run on the checkout would grade with half of an
+    edit made meanwhile."""
     root = tmp_path_factory.mktemp("code")
     for name in ("parakit", "autograde"):
         shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -90,9 +92,12 @@ def on_the_copy() -> dict:
     return {"cwd": CODE[0], "env": {**os.environ, "PYTHONPATH": path}}
 
 
-def run_course(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m autograde.course *args` on the copy of the code."""
-    return subprocess.run([sys.executable, "-m", "autograde.course", *args], **on_the_copy(),
+def run_course(*args: str, timeout: float = 600, tmp: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m autograde.course *args` on the copy of the code (its temporary files in `tmp`)."""
+    where = on_the_copy()
+    if tmp is not None:
+        where["env"]["TMPDIR"] = str(tmp)
+    return subprocess.run([sys.executable, "-m", "autograde.course", *args], **where,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -116,13 +121,13 @@ class Graded:
 
 
 def grade_panel(built: Built, students: list[panel.Student], folder: Path, root: Path,
-                stray: dict[str, str] = {}, jobs: int = 1) -> Graded:
+                stray: dict[str, str] = {}, jobs: int = 1, tmp: Path | None = None) -> Graded:
     shutil.rmtree(folder, ignore_errors=True)
     panel.write_panel(students, folder)
     for name, text in stray.items():
         (folder / name).write_text(text)
     run = run_course("--solutions", str(built.solutions), "grade", str(folder), "--root", str(root),
-                     "--timeout", str(built.lesson.timeout), "--jobs", str(jobs))
+                     "--timeout", str(built.lesson.timeout), "--jobs", str(jobs), tmp=tmp)
     assert run.returncode == 0, run.stdout + run.stderr
     out = root / "grades"
     scores: dict[str, dict[str, float]] = {}
@@ -234,6 +239,43 @@ def test_committed_lessons_match_the_solutions():
     for path in sorted((REPO / "lessons").glob("*.ipynb")):
         with_outputs = [i for i, c in enumerate(panel.load(path).cells) if c.cell_type == "code" and c.outputs]
         assert not with_outputs, f"{path.name} was committed with outputs in cells {with_outputs}: regenerate it"
+
+
+@ON_TOY_ONLY
+def test_an_instructors_files_saved_during_a_grade_run_are_kept_and_named_in_the_report(built, tmp_path):
+    """grade never reverts or removes a course file: a new file in solutions/ and an edit of
+    another lesson's solution, both saved while a notebook is being graded, are there afterwards."""
+    solutions, root = tmp_path / "solutions", tmp_path / "course"
+    tmp = Path(tempfile.mkdtemp(prefix="pk"))  # short: the broker's socket path must fit AF_UNIX's 108 bytes
+    shutil.copytree(built.solutions, solutions)
+    other = solutions / "next_week.ipynb"
+    shutil.copyfile(built.lesson.solution, other)
+    edited, new = other.read_text().replace("add", "added"), solutions / "notes.md"
+    slow = panel.with_sources(panel.full_solution(panel.load(built.released), panel.load(built.lesson.solution)),
+                              {"add": "import time\nslow = [1]\ndef add(a, b):\n    if slow:  # once a process\n"
+                                      "        time.sleep(slow.pop())\n    return a + b\n"})
+
+    def save_while_grading():  # once the run's scratch folder exists, its notebook is being graded
+        for _ in range(6000):  # a bound on a run that never gets there: 600 s
+            if list(tmp.glob("parakit-grading-*")):
+                new.write_text("next week's plan\n")
+                other.write_text(edited)
+                return
+            time.sleep(0.1)
+
+    saver = threading.Thread(target=save_while_grading)
+    saver.start()
+    try:
+        graded = grade_panel(Built(built.lesson, solutions, built.lessons, built.students),
+                             [panel.Student("alice", {built.released.name: slow}, {})], tmp_path / "class", root,
+                             tmp=tmp)
+    finally:
+        saver.join()
+        shutil.rmtree(tmp)
+    assert new.read_text() == "next week's plan\n" and other.read_text() == edited
+    assert graded.scores["alice"] == panel.points(panel.load(built.released))  # nobody pays for the edit
+    report = (graded.out / "report.txt").read_text()
+    assert "2 course file(s) changed during this run, kept as they are" in report, report
 
 
 # ---------------------------------------------------------------------------- validate
