@@ -3,6 +3,7 @@
     python -m autograde.course generate [--check]     solutions/*.ipynb -> lessons/*.ipynb
     python -m autograde.course validate               solutions pass, untouched lessons fail
     python -m autograde.course grade SUBMISSIONS [--lesson 03] [--student alice] [--out DIR] [--jobs N] [--in-kernel]
+                                                 [--force]
 
 nbgrader generates the student lessons from the solutions and validates them (course root:
 this folder, see nbgrader_config.py). SUBMISSIONS holds one folder per student with that
@@ -27,6 +28,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import warnings
@@ -40,7 +42,8 @@ from nbgrader.validator import Validator
 from traitlets.config.loader import PyFileConfigLoader
 
 from autograde import feedback, gradebook
-from autograde.sealed import Result, Task, course_salt, grade_all, changed_since, fingerprints, inspect_submission, read_submission
+from autograde.sealed import (Refused, Result, Task, changed_since, course_salt, fingerprints, grade_all, grader_failed,
+                             inspect_submission, read_handin, read_submission, shown)
 from parakit.grading import isolation
 
 HERE = Path(__file__).resolve().parent
@@ -246,7 +249,8 @@ def forget(course: Course, assignment: str, student: str) -> None:
         gradebook.forget(gb, course.root, assignment, student)
 
 
-def grade_in_kernel(course: Course, student: str, assignment: str, path: Path | None, released) -> Result:
+def grade_in_kernel(course: Course, student: str, assignment: str, path: Path | None, released,
+                    submissions: Path | None = None) -> Result:
     """nbgrader's own autograde: the notebook, answers and tests together, in one kernel the student's
     code controls. Not what `grade` records (see autograde.sealed); kept to measure against it and to
     show where the two disagree (`grade --in-kernel`)."""
@@ -257,17 +261,18 @@ def grade_in_kernel(course: Course, student: str, assignment: str, path: Path | 
         result.notes.append(f"no {assignment}.ipynb submitted")
         forget(course, assignment, student)
         return result
-    nb, problem = read_submission(path)
-    if nb is None:
-        result.status = "not a notebook"
-        result.notes.append(f"{path.name}: {problem}")
+    try:
+        nb, data = read_submission(path, submissions)
+    except Refused as why:
+        result.status = why.status
+        result.notes.append(str(why))
         forget(course, assignment, student)
         return result
     result.notes += inspect_submission(nb, released)
     submitted = course.root / "submitted" / student / assignment
     shutil.rmtree(submitted, ignore_errors=True)
     submitted.mkdir(parents=True)
-    shutil.copyfile(path, submitted / f"{assignment}.ipynb")
+    (submitted / f"{assignment}.ipynb").write_bytes(data)  # what was read and checked, not the path again
     graded = course.api.autograde(assignment, student, force=True, create=True)
     course.log.info("autograde %s %s:\n%s%s", student, assignment, graded.get("log", ""), graded.get("error") or "")
     if not graded["success"]:
@@ -281,37 +286,50 @@ def grade_in_kernel(course: Course, student: str, assignment: str, path: Path | 
     return result  # no nbgrader feedback: its scores are not the grade (the feedback is feedback.page's)
 
 
-STUDENT_ID = re.compile(r"^\w(?:[\w.@ -]*[\w.@-])?$")   # letters of any script, digits, _.@- and inner spaces
-PLAIN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]*$")
+STUDENT_ID = re.compile(r"\w(?:[\w.@ -]*[\w.@-])?")   # letters of any script, digits, _.@- and inner spaces
+PLAIN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]*")
+
+
+def student_problem(entry: Path) -> str | None:
+    """Why the entry `entry` of the submissions folder is no student's folder (its report
+    line), or None. The name is checked whole (a trailing newline is a character too)."""
+    name = shown(entry.name)
+    if entry.is_symlink():
+        return f"{name}: a link, not a student folder, ignored: put the student's notebooks in a folder of that name"
+    if not entry.is_dir():
+        return f"{name}: not in a student folder, ignored"
+    if entry.name.startswith("."):
+        return f"{entry.name!r}: a hidden folder (its name starts with a dot), ignored"
+    if not STUDENT_ID.fullmatch(entry.name) or len(entry.name) > 128:
+        return (f"{entry.name!r}: not usable as a student id (letters, digits, _.@- and inner spaces, "
+                f"at most 128), ignored: rename the folder and grade again")
+    return None
 
 
 def collect(submissions: Path, assignments: list[str]):
     """student -> assignment -> notebook path (None when absent); (student, assignment) ->
     report lines for files named like no assignment (assignment: the closest name, or None);
-    report lines for everything else that is not where it should be, one each."""
+    report lines for everything else that is not where it should be, one each. Nothing is
+    followed through a link: a student folder that is one is refused here, a notebook that is
+    one when it is read (`sealed.read_handin`)."""
     found, strays, notes = {}, {}, []
     expected = sorted(f"{a}.ipynb" for a in assignments)
     for entry in sorted(submissions.iterdir()):
-        if entry.name.startswith("."):
+        problem = student_problem(entry)
+        if problem:
+            notes.append(problem)
             continue
-        if not entry.is_dir():
-            notes.append(f"{entry.name}: not in a student folder, ignored")
-            continue
-        if not STUDENT_ID.match(entry.name) or len(entry.name) > 128:
-            notes.append(f"{entry.name!r}: not usable as a student id (letters, digits, _.@- and inner spaces, "
-                         f"at most 128), ignored: rename the folder and grade again")
-            continue
-        if not PLAIN_ID.match(entry.name):
+        if not PLAIN_ID.fullmatch(entry.name):
             notes.append(f"{entry.name!r}: graded under this id, which has "
                          f"{'a space' if ' ' in entry.name else 'letters beyond ASCII'}: check that your LMS "
                          f"knows it (`nbgrader export` writes it as it is)")
-        files = {p.name: p for p in entry.iterdir() if p.is_file() and not p.name.startswith(".")}
+        files = {p.name: p for p in entry.iterdir() if not p.name.startswith(".") and (p.is_symlink() or not p.is_dir())}
         found[entry.name] = {a: files.get(f"{a}.ipynb") for a in assignments}
         for name in sorted(set(files) - set(expected)):
             close = difflib.get_close_matches(name, expected, n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]}? rename it and grade again)" if close else ""
             strays.setdefault((entry.name, close[0][:-len(".ipynb")] if close else None), []).append(
-                f"{name} does not match any assignment{hint}; expected one of " + ", ".join(expected))
+                f"{shown(name)} does not match any assignment{hint}; expected one of " + ", ".join(expected))
     return found, strays, notes
 
 
@@ -342,13 +360,14 @@ def choose(found: dict, strays: dict, assignments: list[str], lessons: list[str]
 def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
           solutions: Path = REPO / "solutions", timeout: int | None = None, jobs: int = 1,
           in_kernel: bool = False, lessons: list[str] | None = None,
-          students: list[str] | None = None) -> list[Result]:
+          students: list[str] | None = None, force: bool = False) -> list[Result]:
     """Grade the students' notebooks with the sealed judge (`jobs` at a time): the lessons and
     students asked, else every lesson someone handed in, for every student. Write the CSVs,
     the graded notebooks, feedback and the report under `out` (what this run graded replaces
     what an earlier one wrote of the same; the rest is kept), and the grades into nbgrader's
     gradebook. With `in_kernel`, also autograde each notebook the old way (nbgrader, in one
-    kernel) and report where the two differ."""
+    kernel) and report where the two differ. A resumed run skips a notebook that stopped the
+    run before (`stopped`), unless `force`."""
     submissions, out = Path(submissions), Path(out or Path(root) / "grades")
     if not submissions.is_dir():
         raise SystemExit(f"{submissions} is not a folder of student folders")
@@ -402,26 +421,39 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
                   str(out.resolve()), scratch, *(str(REPO / d) for d in ("solutions", "autograde", "tests"))]
         tasks = [Task(student, assignment, str(found[student][assignment] or "") or None,
                       str(course.solutions / f"{assignment}.ipynb"), str(released[assignment]), str(out), hidden,
-                      float(course.config.Execute.timeout), course_salt(course.root), scratch)
+                      float(course.config.Execute.timeout), course_salt(course.root), scratch,
+                      str(submissions))
                  for student, assignment in pairs]
 
         journal = {_key(task): out / JOURNAL / f"{fingerprint(task)}.json" for task in tasks}
+        for task in tasks:
+            task.started = str(journal[_key(task)].with_suffix(".started"))
         done = {key: load_result(path) for key, path in journal.items() if resuming and path.exists()}
         if done:
             print(f"resuming: {len(done)} of {len(tasks)} notebooks were graded by the run that stopped", flush=True)
             log.info("resuming: %d of %d notebooks taken from the journal", len(done), len(tasks))
+        done.update({_key(t): stopped(t) for t in tasks if not force and _key(t) not in done and Path(t.started).exists()})
 
         def finished(result: Result) -> None:
             result.notes += strays.get((result.student, result.assignment), [])
             if unsealed and not any(n.startswith("NOT SEALED") for n in result.private):
                 result.private.append(f"NOT SEALED: {unsealed}")
-            save_result(result, journal[(result.student, result.assignment)])
+            if result.status != STOPPED:  # its mark stays: the next resumed run skips it too
+                save_result(result, journal[(result.student, result.assignment)])
+                journal[(result.student, result.assignment)].with_suffix(".started").unlink(missing_ok=True)
             print(report_line(result), flush=True)
             log.info("%s", log_entry(result))
 
+        for result in (r for r in done.values() if r.status == STOPPED):
+            finished(result)
         try:
             fresh = iter(grade_all([t for t in tasks if _key(t) not in done], jobs, finished))
             results = [done.get(_key(t)) or next(fresh) for t in tasks]
+        except KeyboardInterrupt:  # the instructor stopped it (Ctrl-C, SIGTERM): no notebook did
+            for task in tasks:
+                if _key(task) not in done:
+                    Path(task.started).unlink(missing_ok=True)
+            raise
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         changed = changed_since(before, guarded)
@@ -431,11 +463,11 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
                          + (", ..." if len(changed) > 5 else ""))
         if in_kernel:
             for result in results:
-                result.private += compare_in_kernel(course, result, found, released)
+                result.private += compare_in_kernel(course, result, found, released, submissions)
         db_url = course.api.coursedir.db_url
         if not students:
             notes += gradebook.drop_absent(db_url, course_id, course.root, chosen_lessons, set(found), submissions)
-        gradebook.record(db_url, course_id, course.root, results, found, out / "graded",
+        gradebook.record(db_url, course_id, course.root, results, found, out / "graded", submissions,
                          {a: nbformat.read(p, as_version=4) for a, p in released.items()})
         log.info("gradebook %s: %d submissions written", db_url, sum(r.status == "graded" for r in results))
         summary = write_outputs(results, notes, out, keep=lambda s, a: (s, a) not in set(pairs) | gone)
@@ -478,6 +510,18 @@ def clear_outputs(out: Path, pairs) -> None:
 
 
 JOURNAL = "journal"  # under --out: one file per notebook, written as it is graded
+STOPPED = "stopped the run"  # the status of a notebook that was being graded when the last run stopped
+
+
+def stopped(task: Task) -> Result:
+    """The Result of a notebook skipped because the last run stopped while grading it: a crash
+    of the grader itself (or a kill: SIGKILL, the OOM killer) while its mark was in the journal."""
+    result = grader_failed(task, "skipped")
+    result.status = STOPPED
+    result.notes = ["grading this notebook stopped the last grading run: scored 0 until it is graded again"]
+    result.private = ["grading this notebook stopped the last run (the grader crashed or was killed while grading "
+                      "it): skipped; `grade --force` grades it again"]
+    return result
 
 
 def _key(task: Task) -> tuple[str, str]:
@@ -487,11 +531,11 @@ def _key(task: Task) -> tuple[str, str]:
 def fingerprint(task: Task) -> str:
     """The name of a notebook's journal entry: a changed hand-in or solution is graded anew."""
     digest = hashlib.sha256(f"{task.student}\0{task.assignment}\0".encode())
-    for path in (task.path, task.solution):
-        try:
-            digest.update(Path(path).read_bytes() if path else b"(none)")
-        except OSError:
-            digest.update(b"(unreadable)")
+    try:  # the hand-in as the grader reads it: never through a link
+        digest.update(read_handin(task.path, task.submissions)[0] if task.path else b"(none)")
+    except Refused as why:
+        digest.update(f"(refused: {why})".encode())
+    digest.update(Path(task.solution).read_bytes())
     return digest.hexdigest()[:32]
 
 
@@ -513,13 +557,13 @@ def parakit_dir() -> str:
     return str(Path(parakit.__file__).resolve().parent)
 
 
-def compare_in_kernel(course: Course, sealed: Result, found, released) -> list[str]:
+def compare_in_kernel(course: Course, sealed: Result, found, released, submissions: Path) -> list[str]:
     """Report lines where nbgrader's in-kernel autograde scores a test differently."""
     path = found[sealed.student][sealed.assignment]
     if sealed.status != "graded":
         return []
     theirs = grade_in_kernel(course, sealed.student, sealed.assignment, path,
-                             nbformat.read(released[sealed.assignment], as_version=4))
+                             nbformat.read(released[sealed.assignment], as_version=4), submissions)
     return [f"{g}: {theirs.tests[g][0]:g} in the kernel, {s:g} sealed (the sealed grade is the one recorded)"
             for g, (s, _) in sealed.tests.items() if g in theirs.tests and theirs.tests[g][0] != s]
 
@@ -603,6 +647,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="grade this lesson only (03, 03_zero); again for more (default: every lesson handed in)")
     r.add_argument("--student", action="append", metavar="STUDENT",
                    help="grade this student only (their folder's name); again for more (default: every student)")
+    r.add_argument("--force", action="store_true",
+                   help="resuming a run that stopped: grade again the notebooks it was grading when it stopped "
+                        "(by default each is skipped and said)")
     r.add_argument("--in-kernel", action="store_true",
                    help="also autograde each notebook in one kernel with nbgrader and report where it differs")
     args = parser.parse_args(argv)
@@ -621,8 +668,13 @@ def main(argv: list[str] | None = None) -> int:
         problems = validate(args.solutions, args.lessons, timeout=args.timeout)
         print("\n".join(problems) if problems else "solutions pass, untouched lessons fail: ok")
         return 1 if problems else 0
-    grade(args.submissions, out=args.out, root=args.root, solutions=args.solutions, timeout=args.timeout,
-          jobs=args.jobs, in_kernel=args.in_kernel, lessons=args.lesson, students=args.student)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill is an interrupt: no notebook is blamed
+    try:
+        grade(args.submissions, out=args.out, root=args.root, solutions=args.solutions, timeout=args.timeout,
+              jobs=args.jobs, in_kernel=args.in_kernel, lessons=args.lesson, students=args.student, force=args.force)
+    except KeyboardInterrupt:
+        print("grading stopped: the next `grade` resumes, keeping what this run graded", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from nbgrader.api import Gradebook, MissingEntry
 
+from autograde.sealed import Refused, read_handin
+
 __all__ = ["set_aside_foreign", "record", "drop_absent", "exercises", "forget"]
 
 
@@ -69,23 +71,30 @@ def exercises(released) -> dict[str, str]:
     return owner
 
 
-def record(db_url: str, course_id: str, root: Path, results, found: dict, graded: Path, released: dict) -> None:
+def record(db_url: str, course_id: str, root: Path, results, found: dict, graded: Path, submissions: Path,
+           released: dict) -> None:
     """Each result in the gradebook at `db_url` (see the module): `found[student][assignment]`
-    is the hand-in, `graded/<student>/<assignment>.ipynb` the graded notebook, `released` the
-    assignment -> released notebook."""
+    is the hand-in (under `submissions`, read as `sealed.read_handin` reads it: never through a
+    link), `graded/<student>/<assignment>.ipynb` the graded notebook, `released` the assignment ->
+    released notebook."""
     with Gradebook(db_url, course_id) as gb:
         for r in results:
             gb.update_or_create_student(r.student)
             kept = forget(gb, root, r.assignment, r.student)
             if r.status != "graded":
                 continue
-            path = Path(found[r.student][r.assignment])
-            stamp = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc)
-            verdicts = graded / r.student / f"{r.assignment}.ipynb"  # the hand-in where it could not be written
-            for step, source in (("submitted", path), ("autograded", verdicts if verdicts.exists() else path)):
+            try:
+                handed, status = read_handin(found[r.student][r.assignment], submissions)
+                stamp = datetime.fromtimestamp(status.st_mtime, timezone.utc)
+            except Refused:  # made a link since it was graded, say: the graded notebook stands for it
+                handed, stamp = None, datetime.now(timezone.utc)
+            verdicts = graded / r.student / f"{r.assignment}.ipynb"
+            autograded = verdicts.read_bytes() if verdicts.exists() else handed
+            for step, data in (("submitted", handed or autograded), ("autograded", autograded)):
                 folder = Path(root) / step / r.student / r.assignment
                 folder.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(source, folder / f"{r.assignment}.ipynb")
+                if data is not None:
+                    (folder / f"{r.assignment}.ipynb").write_bytes(data)
                 (folder / "timestamp.txt").write_text(stamp.strftime("%Y-%m-%d %H:%M:%S.%f UTC"))
             submission = gb.add_submission(r.assignment, r.student, timestamp=stamp)
             owner = exercises(released[r.assignment])

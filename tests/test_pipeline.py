@@ -355,8 +355,10 @@ def test_grading_again_regrades_from_scratch(built, graded, tmp_path):
 
 @ON_TOY_ONLY
 def test_a_grade_run_killed_midway_loses_nothing_graded_and_the_next_run_resumes(built, graded, tmp_path):
-    """The grade command killed after its first notebook: the next run takes that notebook's
-    grade from the journal, grades the rest, and writes the same grades.csv as one whole run."""
+    """The grade command stopped (SIGTERM, as Ctrl-C) after its first notebook: the next run takes
+    that notebook's grade from the journal, grades the rest, and writes the same grades.csv as one
+    whole run. The notebook it was grading is not blamed: a crash would leave its mark in the
+    journal, and the next run skip it (tests/test_handins.py)."""
     folder = tmp_path / "class"
     panel.write_panel(built.students, folder)
     (folder / "notes.txt").write_text("a file outside any student folder")
@@ -366,9 +368,10 @@ def test_a_grade_run_killed_midway_loses_nothing_graded_and_the_next_run_resumes
     command = subprocess.Popen([sys.executable, "-m", "autograde.course", *args], **on_the_copy(), text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, process_group=0)
     first = command.stdout.readline()
-    os.killpg(command.pid, signal.SIGKILL)
+    os.killpg(command.pid, signal.SIGTERM)
     command.wait()
     assert (out / "journal" / "unfinished").exists() and not (out / "grades.csv").exists()
+    assert list((out / "journal").glob("*.started")) == []
     again = run_course(*args)
     assert again.returncode == 0, again.stdout + again.stderr
     assert again.stdout.startswith(f"resuming: 1 of {len(graded.rows)} notebooks"), again.stdout[:300]

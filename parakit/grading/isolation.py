@@ -10,13 +10,14 @@ process, for good:
 - a root of its own (`pivot_root` into a tmpfs, read-only): the system's /usr, /lib, /bin
   and Python's prefix and the virtual environment, read-only; a fresh /proc, /tmp and
   /dev/shm (private to the rank); /dev/null, zero, random, urandom; its scratch folder, the
-  one place it may write. The course's files, parakit's source, the solutions, the other
+  one place it may write, at the scratch folder's path but a tmpfs of its own (`Limits.scratch_size`:
+  a rank that writes past it gets ENOSPC, and the disk under the grader never fills). The course's files, parakit's source, the solutions, the other
   submissions and the other ranks' folders are not there at all;
 - no capability, no new privileges, and a seccomp filter that refuses every way to start a
   process (fork, vfork, clone without CLONE_THREAD, clone3 (answered ENOSYS, so threads fall
   back to clone), execve, execveat) and every way to change the view (mount, umount,
   pivot_root, chroot, unshare, setns, the new mount API), ptrace and the process_vm calls;
-- capped: address space, CPU seconds, file size, open files.
+- capped: address space, CPU seconds, file size, open files, bytes in its scratch, /tmp and /dev/shm.
 
 The rank's sockets opened before (its link to the judge's broker) keep working: a
 connected socket belongs to no namespace's lookup. The caller forks once more after
@@ -61,12 +62,13 @@ DEVICES = ("null", "zero", "random", "urandom", "full")
 
 class Limits:
     """Per-rank caps: bytes of address space beyond what the rank maps when confined, CPU
-    seconds, bytes in one written file, open files, bytes in the rank's /tmp and /dev/shm."""
+    seconds, bytes in one written file, open files, bytes in the rank's /tmp and /dev/shm (each),
+    bytes in its scratch folder (all its files together)."""
 
     def __init__(self, memory: int = 4 * 2**30, cpu_seconds: int = 900, file_size: int = 8 * 2**20,
-                 open_files: int = 256, tmp_size: int = 64 * 2**20):
+                 open_files: int = 256, tmp_size: int = 64 * 2**20, scratch_size: int = 256 * 2**20):
         self.memory, self.cpu_seconds, self.file_size = memory, cpu_seconds, file_size
-        self.open_files, self.tmp_size = open_files, tmp_size
+        self.open_files, self.tmp_size, self.scratch_size = open_files, tmp_size, scratch_size
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -109,15 +111,16 @@ def enter_pid_namespace() -> int:
 def confine(scratch: str, visible: list[str], hidden: list[str], limits: Limits) -> None:
     """Make this process (process 1 of its PID namespace, from `enter_pid_namespace`) see only
     the system, `visible` (read-only: Python's prefix, the venv; also by the link it is named by)
-    and `scratch` (read-write); `hidden` folders inside those (parakit's own package, say) are
-    covered by empty ones.
+    and, at `scratch`'s path, a tmpfs of `limits.scratch_size` bytes (read-write and empty: what
+    the folder holds, the rank's output file, stays outside, on the descriptors opened before);
+    `hidden` folders inside those (parakit's own package, say) are covered by empty ones.
     Then drop every capability, filter the system calls and set the caps (see the module)."""
     scratch = os.path.realpath(scratch)
     binds = [d for d in SYSTEM_DIRS if os.path.isdir(d) and not os.path.islink(d)]
     binds += sorted({os.path.realpath(p) for p in visible if os.path.isdir(p)} - set(binds))
     links = {os.path.abspath(p): os.path.realpath(p) for p in visible  # a venv reached by a link
              if os.path.isdir(p) and os.path.abspath(p) != os.path.realpath(p)}
-    held = {path: os.open(path, O_PATH | os.O_DIRECTORY) for path in [*binds, scratch]}  # reachable once /tmp is covered
+    held = {path: os.open(path, O_PATH | os.O_DIRECTORY) for path in binds}  # reachable once /tmp is covered
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     root = "/tmp"  # a tmpfs over it becomes the new root; the old /tmp is out of sight
     _mount("sealed", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
@@ -126,7 +129,8 @@ def confine(scratch: str, visible: list[str], hidden: list[str], limits: Limits)
         _mount("scratch", root + folder, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={limits.tmp_size}")
     for source in binds:
         _bind(f"/proc/self/fd/{held[source]}", root + source, read_only=True)
-    _bind(f"/proc/self/fd/{held[scratch]}", root + scratch, read_only=False)
+    os.makedirs(root + scratch, exist_ok=True)
+    _mount("scratch", root + scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,size={limits.scratch_size}")
     for fd in held.values():
         os.close(fd)
     for link in (d for d in SYSTEM_DIRS if os.path.islink(d)):

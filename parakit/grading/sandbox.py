@@ -7,13 +7,15 @@ child leaves behind is re-parented to it, so `sweep()` finds and kills it. Each 
 closes every file it inherited, writes its output to a capped file in its own scratch
 folder, connects to the judge's broker (`relay`), runs a `Job` and sends back its result
 as plain data (`codec`), then exits. A student's child is locked (`jail`) before the
-student's first line runs.
+student's first line runs; where the machine allows it is also confined (`isolation`), its
+scratch folder then a tmpfs of SCRATCH_LIMIT / world size bytes.
 
     zygote = Zygote(); pids = [zygote.fork(spec) for spec in specs]; ...; zygote.sweep()
 """
 from __future__ import annotations
 
 import copy
+import errno
 import linecache
 import os
 import pickle
@@ -30,6 +32,8 @@ from dataclasses import dataclass, field
 __all__ = ["Zygote", "Job", "student_object"]
 
 LOG_LIMIT = 8 * 2**20         # bytes a child may write to its output file
+SCRATCH_LIMIT = 256 * 2**20   # bytes a student's run may hold in its ranks' scratch folders, shared out evenly
+FULL: str | None = None       # a confined rank: what its scratch holds at most, said when it is full
 NAMESPACE: dict | None = None  # a student's child: the names its cells defined
 
 
@@ -301,7 +305,7 @@ def _isolate(scratch: str, rank: int) -> None:
 
 
 def _run(spec: dict) -> None:
-    global NAMESPACE
+    global NAMESPACE, FULL
     import cloudpickle
     import torch
     import torch.distributed as dist
@@ -314,8 +318,11 @@ def _run(spec: dict) -> None:
     if job.locked and spec.get("confine"):  # the OS's walls first (the link is connected already)
         from parakit.grading import isolation
         linecache.clearcache()
-        isolation.confine(spec["scratch"], [sys.base_prefix, sys.prefix], [*parakit.__path__, *job.hidden],
-                          isolation.Limits())
+        limits = isolation.Limits(scratch_size=SCRATCH_LIMIT // world_size)
+        isolation.confine(spec["scratch"], [sys.base_prefix, sys.prefix], [*parakit.__path__, *job.hidden], limits)
+        FULL = (f"a graded rank writes at most {limits.scratch_size // 2**20} MiB in its scratch folder (a run's "
+                f"{SCRATCH_LIMIT // 2**20} MiB shared by its {world_size} ranks), {limits.tmp_size // 2**20} MiB in "
+                f"/tmp and in /dev/shm, {limits.file_size // 2**20} MiB in one file: this write went past them")
     dist.init_process_group(relay.BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
 
     def seal():  # the instructor's setup has run; from the student's first line on:
@@ -353,8 +360,16 @@ def _exec_cell(label: str, source: str, namespace: dict, student: bool) -> str |
         if not student:
             raise
         traceback.print_exc()
-        return f"{type(error).__name__}: {error}"
+        return failure(error)
     return None
+
+
+def failure(error: Exception) -> str:
+    """A student's exception as the judge reports it; a write past a confined rank's caps says so."""
+    text = f"{type(error).__name__}: {error}"
+    if FULL and isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        text += f" ({FULL})"
+    return text
 
 
 def _call(job: Job, rank: int, world_size: int, cloudpickle):
@@ -368,7 +383,7 @@ def _call(job: Job, rank: int, world_size: int, cloudpickle):
             return {"value": fn(*args)}
         except Exception as error:  # noqa: BLE001
             traceback.print_exc()
-            return {"error": f"{type(error).__name__}: {error}"[:4000], "tripwire": isinstance(error, jail.Tripwire)}
+            return {"error": failure(error)[:4000], "tripwire": isinstance(error, jail.Tripwire)}
 
     def reseed(seed):  # the same global random state on the student's and the reference's ranks
         random.seed(seed)
