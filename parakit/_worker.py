@@ -38,8 +38,10 @@ import torch.distributed as dist
 from parakit import _shm, comm, devices, emulation
 
 _THIS_FILE = __file__.removesuffix("c")
-# frames from these folders are left out of the stacks a rank reports: torch, multiprocessing, threading
-_INTERNAL_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.__file__) + os.sep, "<frozen ")
+# frames from these folders are left out of the stacks a rank reports: torch, the emulated GPU box (whose
+# NCCL is torch's on a GPU box), multiprocessing, threading
+_INTERNAL_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(emulation.__file__) + os.sep,
+                  os.path.dirname(os.__file__) + os.sep, "<frozen ")
 _tasks: "queue.Queue[tuple]" = queue.Queue()
 _send_lock = threading.Lock()
 _state = {"task": None}  # id of the task the main thread runs now, or None
@@ -52,7 +54,7 @@ def main(rank, world_size, backend, gpus, store_port, conn, out_w, err_w, timeou
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller cancels us; Ctrl-C is its own
     _set_environment(rank, world_size, store_port)
-    comm.install(wait_for_gpu=backend == "nccl")
+    comm.install(wait_for_gpu=backend in ("nccl", emulation.BACKEND))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False,
                           timeout=timedelta(seconds=timeout_s))
@@ -85,6 +87,8 @@ def _run(rank, task_id, payload):
         _sync_caller_context(cwd, path, sources)
         fn, args = _shm.loads(blob, shared=False, device=devices.device())
         result = fn(*args)
+        if devices.device().type == emulation.DEVICE:  # the emulated GPU runs the task's work: a hang shows here
+            torch.fgpu.synchronize(devices.device())
     except BaseException as error:  # a student's code may raise anything, SystemExit too
         return ("broken" if emulation.broken() else "error", _format_error(error), comm.TRACKER.seq)
     finally:

@@ -45,9 +45,9 @@ class Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, keep, preserve_rng_state, returned, anchor, *args):
         ctx.fn, ctx.keep, ctx.preserve_rng_state = fn, keep, preserve_rng_state
-        ctx.devices = _cuda_devices(args)
+        ctx.device_type, ctx.devices = _accelerator_devices(args)
         ctx.cpu_state = torch.get_rng_state()
-        ctx.cuda_states = [torch.cuda.get_rng_state(d) for d in ctx.devices]
+        ctx.device_states = [torch.get_device_module(ctx.device_type).get_rng_state(d) for d in ctx.devices]
         record = _Record(keep)
         with record if keep else contextlib.nullcontext():
             result = fn(*args)
@@ -66,11 +66,11 @@ class Checkpoint(torch.autograd.Function):
         args = list(ctx.others)
         for i, x in zip(ctx.tensor_index, inputs):
             args[i] = x.detach().requires_grad_(x.requires_grad)
-        with torch.random.fork_rng(devices=ctx.devices, enabled=ctx.preserve_rng_state):
+        with torch.random.fork_rng(devices=ctx.devices, enabled=ctx.preserve_rng_state, device_type=ctx.device_type):
             if ctx.preserve_rng_state:
                 torch.set_rng_state(ctx.cpu_state)
-                for device, state in zip(ctx.devices, ctx.cuda_states):
-                    torch.cuda.set_rng_state(state, device)
+                for device, state in zip(ctx.devices, ctx.device_states):
+                    torch.get_device_module(ctx.device_type).set_rng_state(state, device)
             with torch.enable_grad(), (_Replay(ctx.keep, kept, ctx.written) if kept else contextlib.nullcontext()):
                 outputs = _as_tuple(ctx.fn(*args))
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
@@ -87,8 +87,9 @@ def checkpoint(fn: Callable, *args, keep: Iterable = (), preserve_rng_state: boo
     Gradients reach fn's parameters even when no input requires grad. The backward calls
     `torch.autograd.backward` on the recomputed outputs, so backpropagate with `.backward()`,
     not `torch.autograd.grad`, as with PyTorch's reentrant checkpoint. The RNG state (CPU, and
-    CUDA for the devices of the inputs and, once CUDA is initialised, the current device) is
-    restored for the recomputation so that dropout draws the same mask;
+    the accelerator's, CUDA or the emulated box's fgpu, for the devices of the inputs and, once
+    it is initialised, the current device) is restored for the recomputation so that dropout
+    draws the same mask;
     `preserve_rng_state=False` skips that.
     """
     returned = []
@@ -97,13 +98,17 @@ def checkpoint(fn: Callable, *args, keep: Iterable = (), preserve_rng_state: boo
     return outputs[0] if returned[0] else outputs
 
 
-def _cuda_devices(args) -> list[int]:
-    """The CUDA devices whose RNG the recomputation replays: the inputs', and the current
-    device once CUDA is initialised (fn may draw there from CPU inputs)."""
-    devices = {a.get_device() for a in args if torch.is_tensor(a) and a.is_cuda}
-    if torch.cuda.is_initialized():
-        devices.add(torch.cuda.current_device())
-    return sorted(devices)
+def _accelerator_devices(args) -> tuple[str, list[int]]:
+    """The accelerator whose generators the recomputation replays (torch.accelerator's: CUDA,
+    or fgpu on the emulated box; "cuda" on a CPU machine, with no devices) and its devices:
+    the inputs', and the current device once it is initialised (fn may draw there from CPU inputs)."""
+    accelerator = torch.accelerator.current_accelerator()
+    kind = "cuda" if accelerator is None else accelerator.type
+    module = torch.get_device_module(kind)
+    devices = {a.get_device() for a in args if torch.is_tensor(a) and a.device.type == kind}
+    if module.is_initialized():
+        devices.add(module.current_device())
+    return kind, sorted(devices)
 
 
 def _as_tuple(result) -> tuple:

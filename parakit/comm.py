@@ -215,7 +215,7 @@ def _wrap(name: str, fn):
         start = time.perf_counter()
         try:
             work = fn(*args, **kwargs)
-            if work is None and _WAIT_FOR_GPU["on"]:
+            if (work is None or isinstance(work, int)) and _WAIT_FOR_GPU["on"]:  # blocking (recv: the sender)
                 _wait_for_gpu(signature.bind_partial(*args, **kwargs).arguments, tensor_args)
             return work
         finally:
@@ -305,8 +305,8 @@ def _unmeasurable(bound, tensor_args, group, in_group, before) -> str:
 def _wait_for_gpu(bound, tensor_args) -> None:
     """Block until the GPU has run what this call queued (NCCL returns at once)."""
     for tensor in (t for a in tensor_args for t in _tensors(bound.get(a))):
-        if tensor.is_cuda:
-            torch.cuda.current_stream(tensor.device).synchronize()
+        if tensor.device.type not in ("cpu", "meta"):  # CUDA's, or the emulated box's (torch.fgpu)
+            torch.get_device_module(tensor.device).current_stream(tensor.device).synchronize()
             return
 
 
@@ -314,7 +314,8 @@ def install(wait_for_gpu: bool | None = None) -> None:
     """Wrap torch.distributed's communication functions with the meter (idempotent).
 
     wait_for_gpu (left as it is when None; off at first): a blocking call (async_op=False)
-    on CUDA tensors returns only when the GPU has run it, as on gloo. The launcher's workers set it under NCCL so that the meter's
+    on CUDA tensors (or the emulated box's fgpu ones) returns only when the GPU has run it, as on
+    gloo. The launcher's workers set it under NCCL (and the emulated NCCL) so that the meter's
     times are the collective's and ranks that hang in mismatched collectives wait inside
     the call, where the launcher can name it, instead of at some later synchronisation."""
     if wait_for_gpu is not None:
@@ -459,7 +460,7 @@ def post_batch(ops: list[tuple[str, torch.Tensor, int]], group=None) -> P2PBatch
         peer = dist.get_global_rank(group, peer) if group is not None else peer
         calls.append(("i" + kind, before + 1 + i if metered else None, peer,
                       TRACKER.messages[kind, peer] - sum(k == kind and q == peer for k, _, q in ops[i + 1:])))
-    return P2PBatch(list(works), calls, any(t.is_cuda for _, t, _ in ops))
+    return P2PBatch(list(works), calls, any(t.device.type != "cpu" for _, t, _ in ops))  # CUDA's or fgpu's
 
 
 def _wait_named(work, call, on_gpu: bool) -> None:

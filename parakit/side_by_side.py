@@ -42,8 +42,8 @@ from parakit.comm import CommLog, ring_bytes
 from parakit.devices import MemoryMeter
 from parakit.launcher import launch
 
-__all__ = ["Measured", "Comparison", "CallCounter", "op_name", "measure", "rank_meter", "compare", "load_script",
-           "available"]
+__all__ = ["Measured", "Comparison", "CallCounter", "op_name", "measure", "rank_meter", "compare", "same_within",
+           "load_script", "available"]
 
 
 @dataclass
@@ -174,16 +174,16 @@ class Comparison:
     def __init__(self, runs: dict[str, list[Measured]]):
         self.runs = runs
 
-    def check(self, rtol: float = 1.3e-6, atol: float = 1e-5) -> None:
+    def check(self, rtol: float = 1.3e-6, atol: float = 1e-5, kernels: dict[str, str] | None = None) -> None:
         """Raise AssertionError, naming the version, rank and item, unless every version's
-        results equal the first version's on every rank (tensors to rtol/atol, the rest exactly)."""
+        results equal the first version's on every rank (tensors to rtol/atol, the rest exactly);
+        `kernels` (version -> the kernels it runs) names them where they differ (`same_within`)."""
         (first, reference), *others = self.runs.items()
+        kernels = kernels or {}
         for name, runs in others:
             for rank, (mine, theirs) in enumerate(zip(runs, reference)):
-                try:
-                    torch.testing.assert_close(mine.result, theirs.result, rtol=rtol, atol=atol, equal_nan=True)
-                except AssertionError as error:
-                    raise AssertionError(f"{name} differs from {first} on rank {rank}: {error}") from None
+                same_within(mine.result, theirs.result, (_ran(name, kernels), _ran(first, kernels)), rtol, atol,
+                            f"{name} differs from {first} on rank {rank}")
 
     def rows(self) -> list[dict]:
         """One row per version and rank: collectives, bytes written, peak bytes, milliseconds."""
@@ -202,6 +202,44 @@ class Comparison:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def same_within(mine, theirs, kernels: tuple[str, str], rtol: float, atol: float, what: str = "") -> None:
+    """Raise AssertionError unless `mine` (made by kernels[0]) equals `theirs` (by kernels[1]):
+    tensors to rtol/atol, nested lists, tuples and dicts item by item, the rest exactly.
+
+    Two different kernels (a GPU's and the CPU's, a fused and a single-tensor optimizer) add
+    in another order and round differently, so their results differ in the last bits: the
+    message names both kernels and the tolerance they need, the largest difference measured."""
+    try:
+        torch.testing.assert_close(mine, theirs, rtol=rtol, atol=atol, equal_nan=True)
+    except AssertionError as error:
+        needed = _needed(mine, theirs)
+        raise AssertionError(f"{what + ': ' if what else ''}{kernels[0]} and {kernels[1]} differ beyond rtol={rtol:g}, "
+                             f"atol={atol:g}{needed}. {error}") from None
+
+
+def _needed(mine, theirs) -> str:
+    """' by up to d (relative r): ...': the largest absolute and relative difference between the
+    floating-point tensors of two results of one structure, as the tolerance two kernels need
+    ('' where none differ)."""
+    pairs = [(a, b) for a, b in zip(pytree.tree_leaves(mine), pytree.tree_leaves(theirs))
+             if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_floating_point()
+             and a.shape == b.shape and b.is_floating_point()]
+    gaps = [((a.detach().cpu().double() - b.detach().cpu().double()).abs(), b.detach().cpu().double().abs())
+            for a, b in pairs]
+    gaps = [(gap, size) for gap, size in gaps if gap.numel() and gap.nan_to_num(0).max() > 0]
+    if not gaps:
+        return ""
+    absolute = max(float(gap.nan_to_num(0).max()) for gap, _ in gaps)
+    relative = max(float((gap / size).nan_to_num(0, posinf=0).max()) for gap, size in gaps)
+    return (f" by up to {absolute:.1e} (relative {relative:.1e}): two different kernels round differently and "
+            f"need that tolerance, atol >= {absolute:.1e} or rtol >= {relative:.1e} (give it, saying why), or the "
+            f"same kernel on both sides")
+
+
+def _ran(version: str, kernels: dict[str, str]) -> str:
+    return f"{version} ({kernels[version]})" if version in kernels else version
 
 
 def _cell(value) -> str:

@@ -135,16 +135,17 @@ class EmulatedNotebooks:
     all 11 under nbval on gloo, 286 s emulated, on a 2-core machine. (A plugin, not a conftest
     in solutions/: a second conftest module would take the name `conftest` from this one.)
 
-    A cell tagged "not-emulated" is skipped there, for what the emulation cannot do:
-    - 02_ddp, PyTorch's DDP with find_unused_parameters=True: its reducer copies the map of
-      used parameters through pinned host memory, which a device served from Python cannot
-      allocate (PyTorch: "implement `getPinnedMemoryAllocator` ... for PrivateUse1"). The GPU
-      suite runs the notebook whole on NCCL (test_gpu.py).
+    A cell tagged "pinned-memory" needs pinned host memory, which fgpu has from its C++ hooks
+    (parakit/emulation/native.cpp, built once per environment): 02_ddp's PyTorch DDP with
+    find_unused_parameters=True (its reducer copies the map of used parameters through pinned
+    memory), 11_real_run's DCP, async_save and FSDP2 with DCP. Where the hooks cannot be built
+    (no C++ compiler) those cells are skipped, with native's one-line reason; the GPU suite
+    runs the notebooks whole on NCCL (test_gpu.py).
 
     Each explorer there draws at every value its controls offer (PARAKIT_SWEEP, see viz.explore):
     a value that raises fails its cell."""
 
-    TAG = "not-emulated"
+    TAG = "pinned-memory"
     SWEEP = "PARAKIT_SWEEP"  # and every explorer draws at every value its controls offer (viz.explore)
 
     def __init__(self):
@@ -161,7 +162,9 @@ class EmulatedNotebooks:
         self.set = [name for name in wanted if name not in os.environ]
         os.environ.update({name: wanted[name] for name in self.set})
         if os.environ[ENV] and self.TAG in item.cell.get("metadata", {}).get("tags", []):
-            pytest.skip(f"tagged {self.TAG}: the emulation cannot run it (tests/conftest.py says why)")
+            from parakit.emulation import native
+            if native.unavailable():
+                pytest.skip(f"tagged {self.TAG}: {native.unavailable()}")
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(self, item, nextitem):

@@ -7,10 +7,22 @@ tensors live on two devices (fgpu:0 and fgpu:1, or fgpu:0 and the CPU) raises "E
 all tensors to be on the same device"; only 0-dim CPU tensors pass, as scalars, and copies
 (`.to`, `copy_`, `.cpu()`) move between devices.
 
+And it runs asynchronously, as a GPU does (`gpu_streams`): a matrix product (mm, addmm, bmm,
+baddbmm) is queued on the current stream, its output made at once and written when the
+stream's thread gets there; every other operator runs on the host once that stream has run
+what came before, so that a read (`.cpu()`, `.item()`, printing) waits and a timing without
+`synchronize()` misses the queued work. A tensor freed on the host while another stream's
+queued work still reads it has its memory handed out again (filled with NaN) unless
+`record_stream` named that stream. Streams, events, `stream()`, `current_stream` and
+`default_stream` as torch.cuda's.
+
 `torch.fgpu` mirrors the part of `torch.cuda` the course uses: device_count,
-current_device, set_device, device, synchronize, memory_allocated, max_memory_allocated,
-reset_peak_memory_stats (every storage made on a device counts there until it dies).
-Random numbers on fgpu come from the CPU's generator (`torch.Generator("fgpu:i")` is one). Backward runs in the thread that
+current_device, set_device, device, synchronize, Stream, Event, stream, memory_allocated,
+max_memory_allocated, reset_peak_memory_stats (every storage made on a device counts there until it dies).
+Each device draws random numbers from its own generator, never the CPU's, where a seed starts
+another stream than on the CPU, as on a CUDA device (`rng`; manual_seed, get_rng_state and their
+kin as torch.cuda's; `torch.Generator("fgpu:i")` makes another such generator, which fgpu's
+operators draw from when given it). Backward runs in the thread that
 calls it (autograd's per-device threads need a device count a Python backend cannot give).
 `torch.autocast("fgpu")` casts as CUDA's autocast does (`amp`).
 `.to("fgpu")` without an index means fgpu:0 (PyTorch asks a device guard that a Python
@@ -30,7 +42,7 @@ import weakref
 
 import torch
 
-from parakit.emulation import amp, numerics, rng
+from parakit.emulation import amp, gpu_streams, numerics, rng
 
 __all__ = ["NAME", "install", "cpu_view", "memory_allocated", "max_memory_allocated", "reset_peak_memory_stats"]
 
@@ -86,30 +98,19 @@ class device(contextlib.ContextDecorator):
 
 
 def synchronize(device=None) -> None:
-    """Nothing to wait for: every kernel has run when its call returns."""
+    """The host waits until every stream of `device` has run what was queued on it."""
+    gpu_streams.synchronize(_index(device))
 
 
-def Stream(device=None, priority: int = 0, **kwargs) -> torch.Stream:
-    """A stream on `device` (torch's generic one): every kernel runs at once, so every stream
-    is already done, and waiting on one, or on its events, returns at once."""
-    return torch.Stream(device=torch.device(NAME, _index(device)), priority=priority)
+def current_stream(device=None) -> gpu_streams.Stream:
+    return gpu_streams.current(_index(device))
 
 
-def current_stream(device=None) -> torch.Stream:
-    return torch.Stream(device=torch.device(NAME, _index(device)))
+def default_stream(device=None) -> gpu_streams.Stream:
+    return gpu_streams.default(_index(device))
 
 
-default_stream = current_stream
-
-
-@contextlib.contextmanager
-def stream(stream):
-    """`with torch.fgpu.stream(s):` runs the block as it is: fgpu has one order, the host's."""
-    yield
-
-
-def Event(enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> torch.Event:
-    return torch.Event(device=torch.device(NAME, current_device()), enable_timing=enable_timing)
+Stream, Event, stream = gpu_streams.Stream, gpu_streams.Event, gpu_streams.stream  # a stream: its work on its thread
 
 
 def memory_allocated(device=None) -> int:
@@ -132,20 +133,57 @@ def empty_cache() -> None:
     """No cache to empty: storages go back to the CPU's allocator when they die."""
 
 
+_initialized = True  # torch.cuda's flag, which torch.utils.checkpoint asks before it saves a device's generators
+
+
 def manual_seed(seed: int) -> None:
-    """fgpu draws from the CPU's generator: `torch.manual_seed` seeds it."""
+    """Seed the current device's generator (`torch.manual_seed` seeds every device's, and the CPU's)."""
+    _generator(None).manual_seed(int(seed))
 
 
-manual_seed_all = manual_seed
+def manual_seed_all(seed: int) -> None:
+    for index in range(device_count()):
+        _generator(index).manual_seed(int(seed))
 
 
-def get_rng_state(device=None) -> torch.Tensor:
-    """The CPU generator's state: fgpu draws from it."""
-    return torch.get_rng_state()
+def seed() -> None:
+    """Seed the current device's generator with a random number."""
+    _generator(None).seed()
 
 
-def set_rng_state(state: torch.Tensor, device=None) -> None:
-    torch.set_rng_state(state)
+def seed_all() -> None:
+    """Seed every device's generator with one random number, as torch.cuda.seed_all does."""
+    manual_seed_all(_generator(0).seed())
+
+
+def initial_seed() -> int:
+    return _generator(None).initial_seed()
+
+
+def get_rng_state(device=NAME) -> torch.Tensor:
+    """The state of `device`'s generator (a CPU ByteTensor), as torch.cuda.get_rng_state."""
+    return _generator(device).get_state()
+
+
+def set_rng_state(new_state: torch.Tensor, device=NAME) -> None:
+    _generator(device).set_state(new_state.clone())
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [get_rng_state(index) for index in range(device_count())]
+
+
+def set_rng_state_all(new_states) -> None:
+    for index, state in enumerate(new_states):
+        set_rng_state(state, index)
+
+
+def _generator(device) -> rng.DeviceGenerator:
+    """`device`'s generator, once the work queued there has run (CUDA counts a kernel's draws
+    when it is queued, so its state, read or set by the host, is past every queued kernel)."""
+    index = _index(device)
+    synchronize(index)
+    return rng.generator(index)
 
 
 def get_amp_supported_dtype() -> list[torch.dtype]:
@@ -182,6 +220,8 @@ def install(count: int) -> None:
     if _state["installed"]:
         return
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+    from parakit.emulation import native
+    native.install()  # C++ hooks first (pinned memory): the Python registration keeps hooks already there
     _setup_privateuseone_for_python_backend(NAME, backend_module=sys.modules[__name__])
     torch._C._set_multithreading_enabled(False)  # backward in the calling thread (see the module's note)
     _LIBRARY.fallback(_kernel, "PrivateUse1")
@@ -201,11 +241,15 @@ class _AnyGenerator(type):
 
 
 class _Generator(metaclass=_AnyGenerator):
-    """torch.Generator, where one made for fgpu is a CPU generator (fgpu draws from the CPU's;
-    PyTorch asks a Python backend for a generator of its own, which it cannot give)."""
+    """torch.Generator, where one made for fgpu:i is a new `rng.DeviceGenerator` (a CPU generator
+    seeded as a GPU's: PyTorch asks a Python backend for a generator of its own, which it cannot
+    give), which fgpu's operators draw from when they are given it."""
 
     def __new__(cls, device="cpu"):
-        return torch._C.Generator("cpu" if torch.device(device).type == NAME else device)
+        if torch.device(device).type == NAME:
+            _index(device)  # fgpu:N beyond the box is refused, as CUDA refuses it
+            return rng.DeviceGenerator()
+        return torch._C.Generator(device)
 
 
 _ORIGINAL = {}  # torch.UntypedStorage's own __new__ and resize_
@@ -244,27 +288,77 @@ def _load(storage, location: str):
 # ----------------------------------------------------------------------------- the kernel
 
 def _kernel(op, *args, **kwargs):
-    """Every operator on fgpu tensors: PyTorch's CPU kernel on the same memory."""
+    """Every operator on fgpu tensors: PyTorch's CPU kernel on the same memory, queued on the
+    current stream (`_launch`: the matmul family), or run by the host once that stream has run
+    what was queued before it (every other operator: it may read the data; views do not wait)."""
     if op in _METADATA:
         return op.redispatch(_CPU_KEYS, *args, **kwargs)
     if op in _COPIES:
         return _copy(op, *args)
     if op is _aten.record_stream.default:
-        return None  # one order, the host's: no stream outlives another
+        return _record_stream(*args)
     if op is _aten.resize_.default:
         return _resize(*args, **kwargs)
     call = _Call(op)
     args, kwargs = call.to_cpu(args), call.to_cpu(kwargs)
-    out = _compute(op, args, kwargs, current_device() if call.index is None else call.index)
+    index = current_device() if call.index is None else call.index
+    if op in _LAUNCHED:
+        return _launch(call, op, args, kwargs, index)
+    if not op.is_view:
+        gpu_streams.wait_current(index)
+    out = _compute(op, args, kwargs, index)
     call.update_inputs()
     return call.to_fgpu(out)
+
+
+def _launch(call: "_Call", op, args, kwargs, index: int):
+    """A kernel launch, as on a GPU: the output made now on fgpu:index, empty, the work queued
+    on the current stream, which writes it when it runs; the work keeps the memory it reads,
+    not the tensors (the host may free those). Operands that do not fit run on the host at
+    once, which raises PyTorch's error."""
+    shape = _product_shape(op, args)
+    if shape is None:
+        gpu_streams.wait_current(index)
+        return call.to_fgpu(_compute(op, args, kwargs, index))
+    out = torch.empty(shape, dtype=args[-1].dtype)
+
+    def run():
+        out.copy_(_compute(op, args, kwargs, index))
+    blocks = [_held[on._cdata][2] for _, on in call.storages.values() if on._cdata in _held]
+    short = 2 * out.numel() * args[-2].shape[-1] < _SHORT_FLOPS
+    gpu_streams.launch(index, run, frozenset(b.owner.data_ptr() for b in blocks), tuple(b.owner for b in blocks), short)
+    return _tensor_on(_storage_on(out.untyped_storage(), index), out, index)
+
+
+def _product_shape(op, args) -> tuple | None:
+    """The shape of a matrix product `op` of `args` (mm, addmm, bmm, baddbmm: [..., n, m] @
+    [..., m, p] -> [..., n, p], a bias broadcast to it), or None where they do not fit."""
+    *bias, x, y = args[:3] if op in _ADDING else args[:2]
+    batched = op in (_aten.bmm.default, _aten.baddbmm.default)
+    if x.dim() != 2 + batched or y.dim() != 2 + batched or x.shape[-1] != y.shape[-2] or x.dtype != y.dtype \
+            or (batched and x.shape[0] != y.shape[0]):
+        return None
+    shape = (*x.shape[:-1], y.shape[-1])
+    for b in bias:
+        if b.dtype != x.dtype or b.dim() > len(shape) or any(
+                m not in (1, n) for m, n in zip(reversed(b.shape), reversed(shape))):
+            return None
+    return shape
+
+
+def _record_stream(tensor: torch.Tensor, stream: torch.Stream) -> None:
+    """tensor.record_stream(stream): its memory goes back to the allocator only once `stream`
+    has run what was queued on it when the tensor died (`_release`)."""
+    entry = _held.get(tensor.untyped_storage()._cdata)
+    if entry is not None:
+        entry[2].recorded.add(gpu_streams.resolve(stream))
 
 
 def _compute(op, args, kwargs, index: int):
     """One operator's work on CPU views of fgpu:index's memory: drawn from that device's
     generator (`rng`), rounded as a GPU's kernels round (`numerics`)."""
-    with torch._C._ExcludeDispatchKeyGuard(_CPU_AUTOCAST), rng.drawing(op, index):  # autocast("cpu") is not for a GPU's tensors
-        return numerics.call(op, args, kwargs)
+    with torch._C._ExcludeDispatchKeyGuard(_CPU_AUTOCAST):  # autocast("cpu") is not for a GPU's tensors
+        return numerics.call(*rng.drawing(op, args, kwargs, index))
 
 
 class _Call:
@@ -360,6 +454,9 @@ def _copy(op, src, dst, *rest):
     """`_copy_from(src, dst)` and `_copy_from_and_resize(src, dst)`: copies between devices."""
     if op is _aten._copy_from_and_resize.default and dst.shape != src.shape:
         dst.resize_(src.shape)
+    for tensor in (src, dst):  # the host copies: each device's current stream first runs what came before
+        if tensor.device.type == NAME:
+            gpu_streams.wait_current(tensor.device.index)
     target = cpu_view(dst) if dst.device.type == NAME else dst
     target.copy_(cpu_view(src) if src.device.type == NAME else src)
     return dst
@@ -369,6 +466,7 @@ def _resize(tensor, size, memory_format=None):
     """resize_ on fgpu: within the storage it changes the shape; beyond it, the tensor
     moves to new memory that starts with its old bytes, as CUDA's resize_ does."""
     shape = torch.empty(size, dtype=tensor.dtype, device="meta", memory_format=memory_format or torch.contiguous_format)
+    gpu_streams.wait_current(tensor.device.index)
     storage = tensor.untyped_storage()
     needed = tensor.storage_offset() * tensor.element_size() + shape.untyped_storage().nbytes()
     if needed > storage.nbytes():
@@ -419,13 +517,22 @@ def _on_fgpu(cpu: torch.Tensor, index: int) -> torch.Tensor:
 def _storage_on(storage: torch.UntypedStorage, index: int) -> torch.UntypedStorage:
     """An fgpu:index storage owning CPU `storage`'s memory, counted there until it dies."""
     owned = _on_fgpu(torch.empty(0, dtype=torch.uint8).set_(storage), index).untyped_storage()
-    _held[owned._cdata] = [index, 0]
+    _held[owned._cdata] = [index, 0, _Block(storage, gpu_streams.current(index))]
     _recount(owned)
     weakref.finalize(owned, _release, owned._cdata)
     return owned
 
 
-_held: dict[int, list[int]] = {}  # an fgpu storage (its StorageImpl) -> [device index, the bytes it holds]
+class _Block:
+    """An fgpu storage's memory: its CPU owner, the stream current where it was made, and the
+    streams given to record_stream (they trade places with the memory: `_resize_storage`)."""
+    __slots__ = ("owner", "stream", "recorded")
+
+    def __init__(self, owner: torch.UntypedStorage, stream):
+        self.owner, self.stream, self.recorded = owner, stream, set()
+
+
+_held: dict[int, list] = {}  # an fgpu storage (its StorageImpl) -> [device index, the bytes it holds, its _Block]
 
 
 def _recount(storage: torch.UntypedStorage) -> None:
@@ -439,8 +546,21 @@ def _recount(storage: torch.UntypedStorage) -> None:
 
 
 def _release(key: int) -> None:
+    """A storage died on the host: its memory goes back to the allocator as CUDA's caching
+    allocator takes it, at once for the stream it was made on (whose later work comes after
+    what is queued); after the work queued on the streams given to record_stream; and at once
+    for another stream whose queued work still reads it, which then reads memory handed out
+    again: filled here with 0xFF bytes (NaN) before it does."""
     with _lock:
-        index, nbytes = _held.pop(key)
+        index, nbytes, block = _held.pop(key)
+    others = [s for s in gpu_streams.busy(index) if s is not block.stream] if nbytes else []
+    if any(block.owner.data_ptr() in job.reads for s in others if s not in block.recorded for job in list(s.jobs)):
+        torch.empty(0, dtype=torch.uint8).set_(block.owner).fill_(255)
+    gpu_streams.after([s for s in others if s in block.recorded], functools.partial(_uncount, index, nbytes))
+
+
+def _uncount(index: int, nbytes: int) -> None:
+    with _lock:
         _memory[index][0] -= nbytes
 
 
@@ -451,12 +571,15 @@ def _resize_storage(storage: torch.UntypedStorage, nbytes: int):
     if storage.device.type != NAME:
         return _ORIGINAL["resize_"](storage, nbytes)
     index, kept = storage.device.index, min(nbytes, storage.nbytes())
+    gpu_streams.wait_current(index)
     grown = torch.zeros(nbytes, dtype=torch.uint8)
     grown[:kept].copy_(_bytes(storage)[:kept])
     trades = [_storage_on(torch.empty(0, dtype=torch.uint8).untyped_storage(), index),
               _storage_on(grown.untyped_storage(), index)]  # takes the old memory away; brings the new
     for other in trades if storage.nbytes() else trades[1:]:
         storage._swap_data_ptr_(other)  # one of the two holds no bytes, as this call requires
+        mine, theirs = _held[storage._cdata], _held[other._cdata]
+        mine[2], theirs[2] = theirs[2], mine[2]
         _recount(other)
     _recount(storage)
     return storage
@@ -470,5 +593,8 @@ def _tensor_on(storage: torch.UntypedStorage, like: torch.Tensor, index: int) ->
 
 _METADATA = {_aten.set_.source_Storage, _aten.set_.source_Storage_storage_offset,
              _aten.set_.source_Tensor}  # shape and storage only: the CPU kernel's code serves any device
+_LAUNCHED = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}  # queued (`_launch`)
+_SHORT_FLOPS = 2 ** 24  # a product of fewer (about a millisecond of a CPU core) runs where the host next waits
+_ADDING = {_aten.addmm.default, _aten.baddbmm.default}  # their first argument is a bias
 _COPIES = {_aten._copy_from.default, _aten._copy_from_and_resize.default}
 _CPU_INDICES_OK = {_aten.index, _aten.index_put_, _aten._index_put_impl_, _aten.index_put}  # as on CUDA, indices may stay on the CPU

@@ -9,23 +9,28 @@ What NCCL refuses, it refuses: a tensor off the rank's device (a CPU tensor rais
 source, ReduceOp.BAND/BOR/BXOR, monitored_barrier. Where NCCL hangs, it stops: `streams`
 keeps each communicator's stream in posting order, runs a send only with its receive, and
 sets communicators up eagerly (device_id given: one per group) or lazily (one per pair, at
-its first send or receive). A rank that waits for an operation that can never run gets an
-`EmulatedNCCLError` naming every stuck rank and the order of its operations, as soon as the
-last of them blocks; the world is broken from then on, as an aborted NCCL communicator is.
-`dist.batch_isend_irecv` on such a group posts its operations as one batch, as NCCL does, and
-`dist.barrier` on one made with device_id runs on that device, as on NCCL's bound group.
+its first send or receive). With device_id a group is bound to that device (torch's
+`bound_device_id`) and splits as NCCL's does (`supports_splitting`): a new group of its world
+(new_group, split_group, DeviceMesh's dimensions) is split from its parent's communicator,
+every rank of the parent taking part, and has a communicator of its own, made eagerly. A rank
+that waits for an operation that can never run gets an `EmulatedNCCLError` naming every stuck
+rank and the order of its operations, as soon as the last of them blocks; the world is broken
+from then on, as an aborted NCCL communicator is. `dist.batch_isend_irecv` on such a group
+posts its operations as one batch, as NCCL does.
 Its operations pass PyTorch's dispatcher as NCCL's do (each its c10d op, served on fgpu by
 `_dispatched`), so that dispatch modes (CommDebugMode, side_by_side.CallCounter) see them.
 
 The bytes move through a gloo group over the same ranks, between CPU views of the fgpu
 tensors: each operation when the coordinator releases it, by one thread per process in the
-coordinator's order. `Work.wait()` blocks the calling thread until the operation has run
-(where NCCL would make the current stream wait: the emulated kernels run on the host).
+coordinator's order, each once the stream current where it was posted has run what came
+before (the host waits for that stream as it posts). `Work.wait()` makes the current stream
+wait for the operation and returns, as NCCL's does (`gpu_streams`); a barrier's blocks the host.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import types
 import warnings
 from collections import Counter
 
@@ -33,28 +38,28 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from parakit.emulation import fgpu
+from parakit.emulation import fgpu, gpu_streams
 from parakit.emulation.link import LINK, EmulatedNCCLError, Op, Work, broken, connect, idle  # noqa: F401 (the API)
 from parakit.emulation.streams import Entry, Item
 
 __all__ = ["BACKEND", "EmulatedNCCL", "EmulatedNCCLError", "register", "broken", "idle"]
 
 BACKEND = "fnccl"
-_ORIGINAL = {"batch_isend_irecv": c10d.batch_isend_irecv, "object_device": c10d._get_object_coll_device,
-             "barrier": c10d.barrier}
+_ORIGINAL = {"batch_isend_irecv": c10d.batch_isend_irecv, "object_device": c10d._get_object_coll_device}
 
 
 def register() -> None:
     """Make "fnccl" a torch.distributed backend in this process (once)."""
     if not hasattr(dist.Backend, BACKEND.upper()):
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=[fgpu.NAME])
+        dist.Backend.backend_capability[dist.Backend.GLOO].append(fgpu.NAME)  # as gloo serves CUDA's devices: so a
+        # gloo group of a bound world (new_group(backend="gloo"), async_save's) has a backend for the bound fgpu
         with warnings.catch_warnings():  # c10d's own fgpu kernels would ask for a C++ backend this group has not
             warnings.filterwarnings("ignore", "Warning only once for all operators")
             for name in _DISPATCHED:
                 _C10D.impl(name, functools.partial(_dispatched, getattr(torch.ops.c10d, name).default), "PrivateUse1")
         dist.batch_isend_irecv = c10d.batch_isend_irecv = _batch_isend_irecv
         c10d._get_object_coll_device = _object_device
-        dist.barrier = c10d.barrier = _barrier
 
 
 _C10D = torch.library.Library("c10d", "IMPL")
@@ -81,12 +86,11 @@ def _create(options, _backend_options):
     ranks = list(options.global_ranks_in_group) or list(range(options.group_size))
     if not options.global_ranks_in_group or not LINK:  # the world's first emulated group: its coordinator
         connect(options.store, options.group_rank, options.group_size)
-    group = EmulatedNCCL(options.store, options.group_rank, options.group_size, ranks, options.timeout,
-                         options.group_id)
     default = c10d._world.default_pg if dist.is_initialized() else None
-    if isinstance(default, EmulatedNCCL) and default.eager:  # a subgroup of an eager world starts eagerly too
-        group._bind(torch.device(fgpu.NAME, fgpu.current_device()))
-    return group
+    if isinstance(default, EmulatedNCCL) and default.eager:  # new_group on a bound world: split from the world's
+        default._split()  # communicator (its other ranks: `perform_nocolor_split`); torch binds it next
+    return EmulatedNCCL(options.store, options.group_rank, options.group_size, ranks, options.timeout,
+                        options.group_id)
 
 
 def _batch_isend_irecv(p2p_op_list):
@@ -103,17 +107,6 @@ def _batch_isend_irecv(p2p_op_list):
         raise
     group._end_coalescing(None)
     return works
-
-
-def _barrier(group=None, async_op=False, device_ids=None, timeout=None):
-    """torch's barrier; on an emulated group made with device_id, on that device, as NCCL's
-    group bound to it is (torch reads the device from bound_device_id, which this group leaves
-    unset, see `_get_backend`; without one it warns "barrier(): using the device under current
-    context", as it does on NCCL without device_id)."""
-    target = group or (c10d._get_default_group() if dist.is_initialized() else None)
-    if device_ids is None and isinstance(target, EmulatedNCCL) and target.eager:
-        device_ids = [target.device.index]
-    return _ORIGINAL["barrier"](group, async_op=async_op, device_ids=device_ids, timeout=timeout)
 
 
 def _object_device(group=None) -> str:
@@ -154,13 +147,14 @@ def _reduce(opts):
 class EmulatedNCCL(dist.ProcessGroup):
     """A process group of the global `ranks` under NCCL's rules (see the module), the bytes moved by gloo."""
 
-    supports_splitting = False  # what init_process_group(device_id=...) asks of `_get_backend`'s answer
+    supports_splitting = True  # so init_process_group(device_id=...) binds it, and new groups split from it
 
     def __init__(self, store, rank: int, size: int, ranks: list[int], timeout, name: str):
         super().__init__(rank, size)
-        self.ranks, self.name, self.link = ranks, name, LINK[0]
+        self.ranks, self.name, self.link, self.store = ranks, name, LINK[0], store
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
-        self.eager, self.device, self.batch = False, None, None
+        self.eager, self.device, self.batch, self.splits = False, None, None, 0
+        self.options = types.SimpleNamespace(_timeout=timeout)  # NCCL's options, which split_group copies
         self.group_name_, self.group_desc_ = name, "undefined"
         self.connected: set[tuple] = set()
         self.counts: Counter = Counter()
@@ -168,6 +162,9 @@ class EmulatedNCCL(dist.ProcessGroup):
 
     def getBackendName(self):
         return BACKEND
+
+    def get_group_store(self):  # kept here too (ProcessGroup's store is for C++ backends): split_group registers it
+        return self.store
 
     def getGroupName(self):  # kept here: torch keeps a group's name in its C++ backends, and this group has none
         return self.group_name_
@@ -186,20 +183,58 @@ class EmulatedNCCL(dist.ProcessGroup):
         return [torch.device(fgpu.NAME)]
 
     def _get_backend(self, device):
-        """What init_process_group(device_id=device) asks: the group is bound to `device` and,
-        as NCCL's eager start does, makes its communicator now (torch's bound_device_id is
-        left unset, so that DeviceMesh makes its groups with new_group, which this backend
-        serves, rather than by splitting NCCL's communicator)."""
-        device = torch.device(device)
-        if device.type != fgpu.NAME:
-            raise RuntimeError(f"the emulated NCCL group has no backend for device type {device.type}")
-        self._bind(device)
+        """The backend torch asks for `device` (an fgpu, its index or none): this group itself."""
+        if torch.device(device).type != fgpu.NAME:
+            raise RuntimeError(f"the emulated NCCL group has no backend for device type {torch.device(device).type}")
         return self
+
+    def eager_connect_single_device(self, device):
+        """init_process_group(device_id=device)'s eager start, and a new group's on a bound
+        world: bound to `device`, the group makes its communicator now (every member taking part)."""
+        self._bind(torch.device(device))
 
     def _bind(self, device: torch.device) -> None:
         if not self.eager:
-            self.eager, self.device = True, device
+            self.eager, self.device, self.bound_device_id = True, device, device
             self._connect(self._comm())
+
+    # -------------------------------------------------------------------------- splitting
+
+    def split_group(self, ranks, timeout=None, opts=None, group_name=None, group_desc=None, device_types=None):
+        """ncclCommSplit, called by every rank of this group: a rank whose group ranks `ranks`
+        hold its own gets the new group of them, bound to this group's device with a
+        communicator of its own; any other (NCCL's no color) takes part and gets None. `opts`
+        (a copy of `options`) and `device_types` set nothing here. Sends nothing but the split."""
+        split = self._split()
+        if self.rank() not in ranks:
+            return None
+        members = sorted(ranks)
+        name = f"{self.name}:split:{split}:{[self.ranks[r] for r in members]}"  # one communicator per color
+        child = EmulatedNCCL(dist.PrefixStore(f"{name}/", self.store), members.index(self.rank()), len(members),
+                             [self.ranks[r] for r in members], timeout or self.options._timeout, name)
+        child.setGroupName(group_name)
+        child.setGroupDesc(group_desc)
+        child._bind(self.device)
+        return child
+
+    def perform_nocolor_split(self, device):
+        """A rank outside the group new_group makes takes part in its split, as NCCL's does."""
+        self._split()
+
+    def _set_sequence_number_for_group(self):
+        """What split_group asks of a new group: NCCL numbers its collectives from here; this group's
+        are numbered from its start already (`counts`)."""
+
+    def comm_split_count(self) -> int:
+        """How many splits this group's communicator has taken part in (no-color ones too), as NCCL counts."""
+        return self.splits
+
+    def _split(self) -> int:
+        """Take part in a split of this group's communicator, a collective of all its ranks on
+        its stream (so one rank's split against another's collective is a mismatch); its number."""
+        self.link.wait(self._collective("ncclCommSplit", [], lambda: None, []).op)  # the host waits, as NCCL's
+        self.splits += 1
+        return self.splits - 1
 
     # -------------------------------------------------------------------------- posting
 
@@ -244,7 +279,8 @@ class EmulatedNCCL(dist.ProcessGroup):
     def _post(self, op: Op) -> None:
         if op.entry.comm not in self.connected:
             self._connect(op.entry.comm)
-        self.link.post(op)
+        gpu_streams.wait_current(self.device.index if self.device else fgpu.current_device())  # its inputs written
+        self.link.post(op, self.options._timeout)  # the watchdog catches it after the group's timeout
 
     def _collective(self, what: str, tensors, run, outputs) -> Work:
         self._check(tensors, what)
@@ -317,7 +353,9 @@ class EmulatedNCCL(dist.ProcessGroup):
         raise RuntimeError("monitored_barrier is only implemented for the GLOO backend")
 
     def barrier(self, opts=None):  # not dispatched: ProcessGroup's barrier makes its tensor on the CPU
-        return self._collective("barrier", [], lambda: self.gloo.barrier(dist.BarrierOptions()).wait(), [])
+        work = self._collective("barrier", [], lambda: self.gloo.barrier(dist.BarrierOptions()).wait(), [])
+        work.blocking = True
+        return work
 
     def allreduce(self, tensors, opts=None):
         work = self._allreduce(tensors, opts)

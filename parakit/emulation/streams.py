@@ -15,6 +15,13 @@ between launched calls; it answers which items run now, in one global order, and
 a rank blocks, whether the blocked ranks can ever go on, assuming the running ranks may
 still post anything (so a slow rank is never taken for a stuck one). `Coordinator` serves it
 to every rank of a world over a socket.
+
+A rank whose process ends (its connection closes: `gone`) takes its stream with it, unrun.
+NCCL's peers cannot tell a dead rank from a slow one: they wait until the watchdog of each
+waiting operation finds it past its group's timeout. So here: a deadlock among the live
+ranks, whatever the dead one would have posted, is still reported at once; the ranks left
+waiting for the dead one are told nothing until their operations expire (`expired`, asked
+by the rank's watchdog, `link`), when the account counts the dead rank as never posting.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ import threading
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-__all__ = ["Item", "Entry", "Streams", "Coordinator"]
+__all__ = ["Item", "Entry", "Streams", "Coordinator", "comm_name"]
 
 
 @dataclass
@@ -50,7 +57,8 @@ class Entry:
 
 class Streams:
     """Every rank's streams, communicators and state; each event returns the messages to
-    send: (rank, ("run", entry id, item index)), (rank, ("ready", comm)), (rank, ("fault", text))."""
+    send: (rank, ("run", entry id, item index)), (rank, ("ready", comm)), (rank, ("fault", text)),
+    (rank, ("gone", dead rank)), (rank, ("account", entry id, text))."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
@@ -59,6 +67,7 @@ class Streams:
         self.setting_up: dict[tuple, dict[int, str]] = defaultdict(dict)  # comm -> {rank: its device}
         self.members: dict[tuple, tuple] = {}  # comm -> the ranks that must set it up
         self.newest = 0  # the newest launched call any rank has started
+        self.dead: set[int] = set()  # the ranks whose processes ended
         self.fault: str | None = None
 
     # -------------------------------------------------------------------------- events
@@ -87,12 +96,43 @@ class Streams:
 
     def wait(self, rank: int, entry_id: int) -> list:
         """`rank` blocks until its entry `entry_id` has run (nothing to do if it has been released)."""
-        for (owner, _), queue in self.queues.items():
-            for entry in queue if owner == rank else ():
-                if entry.id == entry_id:
-                    self.blocked[rank] = ("wait", entry)
-                    return self._check()
-        return []
+        entry = self._entry(rank, entry_id)
+        if entry is None:
+            return []
+        self.blocked[rank] = ("wait", entry)
+        return self._check()
+
+    def gone(self, rank: int) -> list:
+        """`rank`'s process ended: its stream goes, unrun, and the others are told, for their
+        watchdogs' messages only (they go on waiting, as NCCL's peers do). Nothing else to
+        report: the dead rank counts as able to post anything in `stuck`, as it did alive."""
+        self.dead.add(rank)
+        self.blocked.pop(rank, None)
+        for key in [key for key in self.queues if key[0] == rank]:
+            del self.queues[key]
+        return [(other, ("gone", rank)) for other in range(self.world_size) if other not in self.dead]
+
+    def expired(self, rank: int, entry_id: int) -> list:
+        """`rank`'s entry `entry_id` passed its group's timeout (its watchdog caught it): the
+        account for its message, the dead ranks counted as never posting again and `rank` as
+        waiting for that entry, so it names every rank left waiting for them, in order."""
+        blocked = {r: state for r, state in self.blocked.items() if not self._about_to_start(state)}
+        blocked.update({r: ("gone",) for r in self.dead})
+        entry = self._entry(rank, entry_id)
+        if entry is not None:
+            blocked[rank] = ("wait", entry)
+        ranks, streams = self._stuck(blocked)
+        if not self.dead:
+            lines = ["emulated NCCL: every rank's process still runs: a rank this operation needs did not reach it "
+                     "within the timeout (a slow rank, or one waiting elsewhere)"]
+        else:
+            many = len(self.dead) > 1
+            lines = [f"emulated NCCL: the process{'es' * many} of rank{'s' * many} {', '.join(map(str, sorted(self.dead)))} "
+                     f"ended, and NCCL cannot tell a dead rank from a slow one: every rank waiting for "
+                     f"{'them' if many else 'it'} waits until its operation's timeout, as here:"]
+        lines += [f"  rank {r} {self._waits(r, blocked[r])}" for r in sorted(ranks)]
+        lines += self._stream_lines(streams)
+        return [(rank, ("account", entry_id, "\n".join(lines)))]
 
     def idle(self, rank: int, idle: bool, task: int) -> list:
         """`rank` returned from launched call number `task` (it posts nothing more until the
@@ -127,7 +167,7 @@ class Streams:
     def _run(self, item: Item, heads: list) -> list:
         whats = {entry.items[index].what for entry, index in heads}
         if item.key[1] == "coll" and len(whats) > 1:
-            return self._fail(f"collective mismatch on {_comm_name(item.key[0])}: its call #{item.key[-1] + 1} is "
+            return self._fail(f"collective mismatch on {comm_name(item.key[0])}: its call #{item.key[-1] + 1} is "
                               + ", ".join(f"{entry.items[index].what} on rank {entry.rank}" for entry, index in heads)
                               + ". Every rank of a group must call the same collectives in the same order.")
         out = []
@@ -144,15 +184,19 @@ class Streams:
 
     def stuck(self) -> tuple[set[int], list[tuple]]:
         """The ranks that wait (for an entry or a set-up) and can never go on, whatever the
-        running ranks post next, and the streams (rank, comm) that can never move: they wait
-        for each other, in a cycle or on idle ranks."""
+        running ranks (the dead ones too) post next, and the streams (rank, comm) that can never
+        move: they wait for each other, in a cycle or on idle ranks."""
+        return self._stuck({rank: state for rank, state in self.blocked.items() if not self._about_to_start(state)})
+
+    def _stuck(self, blocked: dict[int, tuple]) -> tuple[set[int], list[tuple]]:
+        """`stuck`, each rank of `blocked` in the state given there ("idle" and "gone": it posts nothing more)."""
         queues = {key: [(e, {i.key: i.parties for i in e.items if not i.released}) for e in q]
                   for key, q in self.queues.items() if q}
-        blocked = {rank: state for rank, state in self.blocked.items() if not self._about_to_start(state)}
+        blocked = dict(blocked)
         setting_up = {comm: set(ranks) for comm, ranks in self.setting_up.items()}
         while _simulate_step(queues, blocked, setting_up, self.members):
             pass
-        return ({rank for rank, state in blocked.items() if state[0] != "idle"},
+        return ({rank for rank, state in blocked.items() if state[0] not in ("idle", "gone")},
                 sorted((key for key, queue in queues.items() if queue), key=repr))
 
     def describe(self, ranks: set[int], streams: list[tuple]) -> str:
@@ -160,24 +204,34 @@ class Streams:
         many = len(ranks) > 1
         lines = [f"emulated NCCL: rank{'s' * many} {', '.join(map(str, sorted(ranks)))} wait{'' if many else 's'} "
                  f"for operations that can never run (NCCL would hang here):"]
-        lines += [f"  rank {rank} {self._waits(rank)}" for rank in sorted(ranks)]
+        lines += [f"  rank {rank} {self._waits(rank, self.blocked[rank])}" for rank in sorted(ranks)]
         lines += [f"  rank {r} has left the launched function (returned or raised)" for r, s in sorted(self.blocked.items())
                   if s[0] == "idle" and not self._about_to_start(s)]
-        lines += [f"  rank {rank}'s stream on {_comm_name(comm)} runs, in order: "
-                  + ", ".join(entry.label() for entry in self.queues[rank, comm]) for rank, comm in streams]
+        lines += self._stream_lines(streams)
         lines.append(_advice({self.blocked[rank][0] for rank in ranks} | {s[0] for s in self.blocked.values()}))
         return "\n".join(lines)
 
     def _about_to_start(self, state: tuple) -> bool:
         return state[0] == "idle" and state[1] < self.newest
 
-    def _waits(self, rank: int) -> str:
-        state = self.blocked[rank]
+    def _stream_lines(self, streams: list[tuple]) -> list[str]:
+        return [f"  rank {rank}'s stream on {comm_name(comm)} runs, in order: "
+                + ", ".join(entry.label() for entry in self.queues[rank, comm]) for rank, comm in streams]
+
+    def _entry(self, rank: int, entry_id: int) -> Entry | None:
+        """`rank`'s entry `entry_id`, if it has not all been released."""
+        for (owner, _), queue in self.queues.items():
+            for entry in queue if owner == rank else ():
+                if entry.id == entry_id:
+                    return entry
+        return None
+
+    def _waits(self, rank: int, state: tuple) -> str:
         if state[0] == "wait":
             return f"waits for its {state[1].label()}"
         comm = state[1]
         missing = sorted(set(self.members[comm]) - set(self.setting_up.get(comm, {})))
-        return (f"waits to set up the communicator of {_comm_name(comm)} (NCCL makes it at the first operation there, "
+        return (f"waits to set up the communicator of {comm_name(comm)} (NCCL makes it at the first operation there, "
                 f"every member taking part), which rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} "
                 f"{'have' if len(missing) > 1 else 'has'} not begun")
 
@@ -235,7 +289,7 @@ def _duplicate(devices: dict[int, str]):
     return None
 
 
-def _comm_name(comm: tuple) -> str:
+def comm_name(comm: tuple) -> str:
     return f"group {comm[0]}" if comm[1] == "all" else f"group {comm[0]}'s pair {comm[1]}-{comm[2]}"
 
 
@@ -257,7 +311,7 @@ def _advice(states: set[str]) -> str:
 class Coordinator:
     """`Streams` for the `world_size` ranks of one world, served from a thread: each rank's
     process connects once (`address`, `authkey`) and says ("hello", rank), then sends its
-    events and gets its messages, in one global order."""
+    events and gets its messages, in one global order; its connection's end is its "gone"."""
 
     def __init__(self, world_size: int, authkey: bytes):
         self.streams = Streams(world_size)
@@ -278,10 +332,14 @@ class Coordinator:
                     event = conn.recv()
                 except (EOFError, OSError):
                     del conns[rank]
-                    continue
+                    event = ("gone",)
                 for target, message in self._handle(rank, event):
-                    if target in conns:
+                    if target not in conns:
+                        continue
+                    try:
                         conns[target].send(message)
+                    except OSError:  # that rank's process ended too: its "gone" comes next
+                        pass
 
     def _handle(self, rank: int, event: tuple) -> list:
         kind, *args = event

@@ -29,15 +29,15 @@ class RNGTracker:
 
     @contextlib.contextmanager
     def fork(self):
-        """Inside the block, the device's default generator draws from this rank's stream;
-        afterwards the default generator is back where it was, untouched."""
-        cuda = self.device.type == "cuda"
-        with torch.random.fork_rng(devices=[self.device] if cuda else []):
-            set_state, get_state = ((lambda s: torch.cuda.set_rng_state(s, self.device)),
-                                    (lambda: torch.cuda.get_rng_state(self.device))) if cuda else \
-                                   (torch.set_rng_state, torch.get_rng_state)
-            set_state(self.state)
+        """Inside the block, the device's default generator (the CPU's, or the GPU's: CUDA's, or
+        fgpu's on the emulated box) draws from this rank's stream; afterwards the default
+        generator is back where it was, untouched."""
+        kind = self.device.type
+        generators = torch if kind == "cpu" else torch.get_device_module(kind)
+        on = () if kind == "cpu" else (self.device,)  # torch.get_rng_state takes no device, torch.cuda's one
+        with torch.random.fork_rng(devices=list(on), device_type=kind):
+            generators.set_rng_state(self.state, *on)
             try:
                 yield
             finally:
-                self.state = get_state()
+                self.state = generators.get_rng_state(*on)
