@@ -4,15 +4,20 @@ box would and fails where it would fail.
     PARAKIT_EMULATE_GPUS=4 .venv/bin/jupyter lab lessons/      # or pytest, or a script
 
 With the variable set, `parakit.devices` sees 4 GPUs: `resolve_backend("auto", n)` picks the
-emulated NCCL for n <= 4 and each rank computes on its own device. Two parts:
+emulated NCCL for n <= 4 and each rank computes on its own device. Its parts:
 
 - `fgpu`: the devices fgpu:0 .. fgpu:N-1, tensors in CPU memory, refusing to mix devices
-  as CUDA does;
+  as CUDA does; with `numerics` (a GPU's rounding: split-K products, reductions in another
+  order, fused multiply-adds), `gpu_streams` (streams the host does not wait for, events,
+  synchronize, record_stream), `rng` (a generator per device) and `native` (pinned host memory,
+  from C++ hooks built once per environment);
 - `replicas`: nn.DataParallel's copies between devices, which PyTorch makes with CUDA's kernels;
-- `nccl` (with `streams`): the backend "fnccl", holding ranks to what NCCL enforces (their
-  own device only, one device per rank, its unsupported operations) and stopping, with the
-  order of each rank's operations, where NCCL would hang (per-stream order, sends that wait
-  for their receives, communicators set up lazily without device_id).
+- `nccl` (with `streams` and `link`): the backend "fnccl", holding ranks to what NCCL enforces
+  (their own device only, one device per rank, its unsupported operations), bound and split
+  as NCCL's groups are when made with device_id, and stopping, with the order of each rank's
+  operations, where NCCL would hang (per-stream order, sends that wait for their receives,
+  communicators set up lazily without device_id); a rank whose process died leaves the others
+  waiting until their group's timeout, when a watchdog ends them as NCCL's does.
 """
 from __future__ import annotations
 

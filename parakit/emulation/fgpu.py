@@ -2,7 +2,7 @@
 
 PyTorch's PrivateUse1 device, renamed "fgpu" and served from Python: a tensor on fgpu:i
 lives in CPU memory, and every operator on it runs PyTorch's CPU kernel on that memory
-(`_kernel`). What makes it a GPU is what it refuses, as CUDA does: an operator whose
+(`_kernel`), rounded as a GPU's kernels round (`numerics`). What makes it a GPU is what it refuses, as CUDA does: an operator whose
 tensors live on two devices (fgpu:0 and fgpu:1, or fgpu:0 and the CPU) raises "Expected
 all tensors to be on the same device"; only 0-dim CPU tensors pass, as scalars, and copies
 (`.to`, `copy_`, `.cpu()`) move between devices.

@@ -15,7 +15,11 @@ its first send or receive). With device_id a group is bound to that device (torc
 every rank of the parent taking part, and has a communicator of its own, made eagerly. A rank
 that waits for an operation that can never run gets an `EmulatedNCCLError` naming every stuck
 rank and the order of its operations, as soon as the last of them blocks; the world is broken
-from then on, as an aborted NCCL communicator is. `dist.batch_isend_irecv` on such a group
+from then on, as an aborted NCCL communicator is. A rank whose process died cannot be seen
+so: the ranks waiting for it wait until their group's timeout, when `link`'s watchdog ends
+them with NCCL's "Watchdog caught collective operation timeout" (the process torn down, as
+TORCH_NCCL_ASYNC_ERROR_HANDLING=3 does; raised instead with TORCH_NCCL_BLOCKING_WAIT=1).
+`dist.batch_isend_irecv` on such a group
 posts its operations as one batch, as NCCL does.
 Its operations pass PyTorch's dispatcher as NCCL's do (each its c10d op, served on fgpu by
 `_dispatched`), so that dispatch modes (CommDebugMode, side_by_side.CallCounter) see them.
