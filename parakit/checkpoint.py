@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from parakit.devices import synchronize
+
 __all__ = ["checkpoint", "checkpoint_sequential", "Checkpointed", "segment_sizes", "peak_units", "best_segments",
            "SavedBytes", "saved_bytes", "counting_saved", "step_time", "MATMULS"]
 
@@ -326,11 +328,10 @@ def _backward_of_sum(outputs):
 
 def step_time(fn: Callable, *args, repeats: int = 5) -> float:
     """Median seconds of fn(*args) plus the backward of the sum of its outputs (after one warm-up)."""
-    times = []
+    times, where = [], next((a.device for a in args if isinstance(a, torch.Tensor)), None)
     for _ in range(repeats + 1):
         start = time.perf_counter()
         _backward_of_sum(_as_tuple(fn(*args)))
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        synchronize(where)  # a GPU's work is queued: the clock stops when it has run
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])

@@ -49,6 +49,15 @@ def device() -> torch.device:
     return torch.device(kind, _module(kind).current_device()) if kind else torch.device("cpu")
 
 
+def synchronize(where: torch.device | None = None) -> None:
+    """Wait until `where` (this rank's device by default) has run the work queued on it: a GPU's
+    (CUDA's, or fgpu's on the emulated box) run asynchronously, so a clock read before this
+    misses it; nothing to wait for on the CPU."""
+    where = device() if where is None else torch.device(where)
+    if where.type != "cpu":
+        _module(where.type).synchronize(where)
+
+
 def accelerator() -> tuple[str, int]:
     """The kind of GPU this machine gives its ranks and how many: ("fgpu", N) on the emulated
     box (PARAKIT_EMULATE_GPUS=N), else ("cuda", the CUDA devices visible, maybe 0)."""

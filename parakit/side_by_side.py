@@ -67,6 +67,7 @@ def measure(fn, *args, memory: bool = True) -> Measured:
     dist.barrier()
     import torch._dynamo  # noqa: F401  (a dispatch mode's first operator imports it, about 1 s: not in the timing)
     meter = rank_meter() if memory else None
+    devices.synchronize()  # the work queued before is not this call's
     with CommLog() as log, CallCounter() as counter:
         start = time.perf_counter()
         if meter is None:
@@ -74,6 +75,7 @@ def measure(fn, *args, memory: bool = True) -> Measured:
         else:
             with meter:
                 result = fn(*args)
+        devices.synchronize()  # a GPU's work is queued: the clock stops when it has run
         seconds = time.perf_counter() - start
     written = log.written_bytes()
     return Measured(result, dict(counter.calls), counter.model_bytes if written is None else written,

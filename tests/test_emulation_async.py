@@ -149,3 +149,31 @@ def test_work_wait_orders_the_current_stream_and_returns_at_once_as_on_nccl(tmp_
     assert found["waited"] < 1.0 / 5, found  # rank 1 posted its all-reduce 1 s later
     assert found["after"] == 3.0  # 1 + 2: read after the all-reduce
     assert found["early"] == 1.0  # rank 0's own value: read before the all-reduce arrived
+
+
+PARAKITS_CLOCKS = SETUP + """
+import torch.distributed as dist
+from parakit import checkpoint, side_by_side
+small = torch.randn(8, 8, device=dev)  # products under 2^24 FLOP stay queued until the host waits
+weight = torch.randn(8, 8, device=dev, requires_grad=True)
+
+def product(x):
+    weight.grad = None  # backward ends with the product for weight's gradient, which it then only assigns
+    return x @ weight
+
+found["step_time_waits"] = (checkpoint.step_time(product, small, repeats=1), torch.fgpu.current_stream().query())[1]
+dist.init_process_group("fnccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device(dev))
+found["measure_waits"] = (side_by_side.measure(product, small, memory=False), torch.fgpu.current_stream().query())[1]
+product(small).sum().backward()
+found["unwaited_product_queued"] = not torch.fgpu.current_stream().query()  # what the two would leave without their wait
+torch.fgpu.synchronize()
+dist.destroy_process_group()
+print(json.dumps(found))
+"""
+
+
+def test_parakits_own_clocks_stop_when_the_device_has_run_the_work(tmp_path):
+    """checkpoint.step_time and side_by_side.measure synchronise the device before they read the
+    clock: each leaves no queued work behind, where a bare product leaves its kernel queued."""
+    found = run_emulated(tmp_path, PARAKITS_CLOCKS)
+    assert found == {"step_time_waits": True, "measure_waits": True, "unwaited_product_queued": True}, found
