@@ -355,7 +355,7 @@ def lazy_ring():  # a group made without device_id: NCCL connects each pair at i
     dist.recv(y, (rank - 1) % n, group=group)
     request.wait()
 
-def mismatched():  # lesson 00's hang
+def mismatched():  # calls of two kinds, which NCCL leaves undefined (lesson 00 says so)
     x = torch.ones(1, device=parakit.device())
     if dist.get_rank() == 0:
         dist.all_reduce(x)
