@@ -1,5 +1,5 @@
 """What one CUDA GPU shows and the emulated box cannot (issue #42, item 8): CUDA's own kernels
-against the CPU's where a lesson compares them, CUDA's generators in parakit's RNG paths, the
+against the CPU's where a lesson compares two kernels (lesson 03's AdamW, lesson 08's attention), CUDA's generators in parakit's RNG paths, the
 caching allocator's figures against the bytes the lessons count, PyTorch's context_parallel on
 one rank, and DCP's async_save staging CUDA tensors in pinned host memory.
 
@@ -38,6 +38,60 @@ def figure(text: str) -> None:
     if os.environ.get("PARAKIT_GPU_FIGURES"):
         with open(os.environ["PARAKIT_GPU_FIGURES"], "a") as out:
             out.write(line + "\n")
+
+
+# ---------------------------------------------------------------- CUDA's kernels where a lesson compares kernels
+
+ADAMW_ATOL = 1e-6  # lesson 03's offload check: AdamW on the device against AdamW on the CPU (sized on fgpu)
+
+
+def adamw_on_both(seed):
+    """3 AdamW steps on the same parameters and gradients: foreach kernels on this GPU, single-
+    tensor kernels on the CPU (fully_shard without and with CPUOffloadPolicy, lesson 03)."""
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(256, 256, generator=g), torch.randn(256, generator=g)]
+    grads = [[torch.randn(p.shape, generator=g) for p in params] for _ in range(3)]
+    finals = []
+    for device, foreach in ((parakit.device(), True), (torch.device("cpu"), False)):
+        mine = [p.to(device, copy=True).requires_grad_() for p in params]
+        opt = torch.optim.AdamW(mine, lr=1e-2, foreach=foreach)
+        for step in grads:
+            for p, grad in zip(mine, step):
+                p.grad = grad.to(device)
+            opt.step()
+        finals.append([p.detach().cpu() for p in mine])
+    return [((a - b).abs().max().item(), int((a != b).sum())) for a, b in zip(*finals)]
+
+
+def test_adamw_foreach_on_cuda_and_single_tensor_on_the_cpu_differ_within_lesson_03s_tolerance():
+    found = nccl(adamw_on_both, random.randrange(2**31), world_size=1)[0]
+    figure(f"AdamW, 3 steps, foreach on cuda:0 vs single-tensor on the CPU: largest difference "
+           f"{max(d for d, _ in found):.2e}, {sum(n for _, n in found)} of {256 * 256 + 256} elements differ; "
+           f"lesson 03's atol {ADAMW_ATOL:.0e}")
+    assert max(d for d, _ in found) <= ADAMW_ATOL
+
+
+def ring_against_sdpa(seed):
+    """parakit's causal ring (one rank: one block) against CUDA's SDPA, lesson 08's shapes."""
+    from parakit import context_parallel as cp
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, upstream = (torch.randn(1, 4, 1024, 32, generator=g).to(parakit.device()) for _ in range(4))
+    results = []
+    for attend in (lambda *t: cp.ring_attention(*t, causal=True, layout="zigzag"),
+                   lambda *t: torch.nn.functional.scaled_dot_product_attention(*t, is_causal=True)):
+        mine = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attend(*mine)
+        out.backward(upstream)
+        results.append([out.detach()] + [m.grad for m in mine])
+    return max((a - b).abs().max().item() for a, b in zip(*results))
+
+
+def test_parakits_ring_and_cudas_fused_attention_differ_within_lesson_08s_tolerance(tmp_path):
+    script = lesson_script(tmp_path, "with_pytorch_08.py")
+    worst = nccl(ring_against_sdpa, random.randrange(2**31), world_size=1)[0]
+    figure(f"parakit's ring (1 rank) vs CUDA's SDPA, [1, 4, 1024, 32] causal, out and grads: largest difference "
+           f"{worst:.2e}; lesson 08's tolerance {script.TOLERANCE:.0e}")
+    assert worst <= script.TOLERANCE
 
 
 # ---------------------------------------------------------------- context_parallel on one rank
