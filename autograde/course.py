@@ -31,6 +31,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -383,9 +384,10 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
     (out / JOURNAL).mkdir(exist_ok=True)
     log = logging.getLogger(f"autograde.{id(out)}")
     log.setLevel(logging.INFO)
-    handler = logging.FileHandler(out / "grading.log", mode="w", encoding="utf-8")
+    handler = logging.FileHandler(out / "grading.log", mode="a", encoding="utf-8")  # every run's, each after its start line
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
     log.addHandler(handler)
+    log.info("==== a grade run starts, %s", time.strftime("%Y-%m-%d %H:%M:%S %Z"))
     notes: list[str] = []
     try:
         course = Course(root=root, solutions=solutions, timeout=timeout, log=log)

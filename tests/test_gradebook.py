@@ -365,6 +365,8 @@ def test_grade_counts_only_what_was_handed_in_or_asked_for(graded, regraded, by_
     assert "lessons toy; students bob; --jobs 1" in log
     assert "bob toy: 2/5 (graded) in " in log and "    test_mean 2/2" in log
     assert "gradebook sqlite:///" in log and "1 student, 1 notebook of toy" in log
+    # the log keeps every run, each after its start line: the class's, its regrade, --lesson 01, then this one
+    assert log.count("==== a grade run starts, ") == 4 and "3 students, 3 notebooks of toy" in log
 
 
 def test_an_unknown_lesson_or_student_is_said_and_nothing_graded(course, tmp_path):
