@@ -65,17 +65,19 @@ found["read"] = y.cpu()[0, :4].tolist()  # no synchronize: the copy to the CPU w
 found["item"] = ((a @ b) @ b)[0, 0].item()
 torch.fgpu.synchronize()
 found["after_synchronize"] = y.cpu()[0, :4].tolist()
-y = (a @ b) @ b
-ready = torch.fgpu.Event()
+side, ready = torch.fgpu.Stream(), torch.fgpu.Event()  # made first: the race below is the read alone
+side.synchronize()
+y = a
+for _ in range(6):  # about 0.3 s of queued products on one core
+    y = y @ b
 ready.record()
-side = torch.fgpu.Stream()
 with torch.fgpu.stream(side):
     early = y[0, :4] * 1  # on the side stream, not ordered after the matmuls
 side.wait_event(ready)
 with torch.fgpu.stream(side):
     late = y[0, :4] * 1
 side.synchronize()
-found["side"] = [early.cpu().tolist(), late.cpu().tolist()]
+found["side"] = [early.cpu().tolist(), late.cpu().tolist(), y.cpu()[0, :4].tolist()]
 print(json.dumps(found))
 """
 
@@ -84,8 +86,8 @@ def test_a_host_read_waits_for_the_stream_and_another_stream_only_for_an_event(t
     found = run_emulated(tmp_path, READS)
     assert found["read"] == found["after_synchronize"]
     assert found["item"] == found["after_synchronize"][0]
-    early, late = found["side"]
-    assert late == found["after_synchronize"]
+    early, late, y = found["side"]
+    assert late == y
     assert early != late  # read before the kernels wrote y: memory nobody has written yet
 
 
