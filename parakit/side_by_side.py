@@ -184,8 +184,8 @@ class Comparison:
         kernels = kernels or {}
         for name, runs in others:
             for rank, (mine, theirs) in enumerate(zip(runs, reference)):
-                same_within(mine.result, theirs.result, (_ran(name, kernels), _ran(first, kernels)), rtol, atol,
-                            f"{name} differs from {first} on rank {rank}")
+                named = (_ran(name, kernels), _ran(first, kernels)) if {name, first} & set(kernels) else None
+                same_within(mine.result, theirs.result, named, rtol, atol, f"{name} differs from {first} on rank {rank}")
 
     def rows(self) -> list[dict]:
         """One row per version and rank: collectives, bytes written, peak bytes, milliseconds."""
@@ -206,19 +206,21 @@ class Comparison:
     __repr__ = __str__
 
 
-def same_within(mine, theirs, kernels: tuple[str, str], rtol: float, atol: float, what: str = "") -> None:
+def same_within(mine, theirs, kernels: tuple[str, str] | None, rtol: float, atol: float, what: str = "") -> None:
     """Raise AssertionError unless `mine` (made by kernels[0]) equals `theirs` (by kernels[1]):
     tensors to rtol/atol, nested lists, tuples and dicts item by item, the rest exactly.
 
     Two different kernels (a GPU's and the CPU's, a fused and a single-tensor optimizer) add
     in another order and round differently, so their results differ in the last bits: the
-    message names both kernels and the tolerance they need, the largest difference measured."""
+    message names both kernels and the tolerance they need, the largest difference measured.
+    With `kernels` None (one computation, not two kernels), it gives the difference alone."""
     try:
         torch.testing.assert_close(mine, theirs, rtol=rtol, atol=atol, equal_nan=True)
     except AssertionError as error:
-        needed = _needed(mine, theirs)
-        raise AssertionError(f"{what + ': ' if what else ''}{kernels[0]} and {kernels[1]} differ beyond rtol={rtol:g}, "
-                             f"atol={atol:g}{needed}. {error}") from None
+        head = f"{what + ': ' if what else ''}"
+        if kernels is not None:
+            head += f"{kernels[0]} and {kernels[1]} differ beyond rtol={rtol:g}, atol={atol:g}{_needed(mine, theirs)}. "
+        raise AssertionError(f"{head}{error}") from None
 
 
 def _needed(mine, theirs) -> str:
