@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 import random
 import sys
 import threading
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
@@ -46,7 +48,8 @@ class OrderDiffers(AssertionError):
 
 
 def check(student: Callable, reference: Callable, make_inputs: Callable, *, world_sizes: Iterable[int] = (2, 4),
-          trials: int = 2, forbid: dict[Callable, str] | None = None, timeout: float = 60.0,
+          trials: int = 2, forbid: dict[Callable, str] | None = None, allow: Iterable | None = None,
+          timeout: float = 60.0,
           rtol: float | None = None, atol: float | None = None, same_traffic: bool = False,
           same_order: bool = False, same_overlap: bool = False, quiet: bool = False) -> None:
     """Compare `student(*inputs)` with `reference(*inputs)` on every rank, for each world size.
@@ -54,7 +57,10 @@ def check(student: Callable, reference: Callable, make_inputs: Callable, *, worl
     `make_inputs(r)` returns the tuple of arguments for one rank, given an `InputContext`
     `r` (its rank, world size, a generator `r.shared` seeded alike on every rank for shapes,
     and `r.local` seeded per rank for values); both functions get their own deep copy.
-    `forbid` maps forbidden functions to the reason. `same_traffic`: the communication must
+    `forbid` maps forbidden functions to the reason; `allow` names what of parakit the
+    student's code may call (functions, classes, modules: `allow.gated`), and anything else
+    of parakit's it calls trips (None: nothing gated, as the lessons' checks are until each
+    names its allowlist). `same_traffic`: the communication must
     match too (see the module's docstring); `same_order`: each rank's calls, one by one, in
     the reference's order, each of the same kind, with the same peer and bytes; `same_overlap`
     (sealed grading only, where the relay sees it): as many of each rank's calls in flight
@@ -64,7 +70,7 @@ def check(student: Callable, reference: Callable, make_inputs: Callable, *, worl
     """
     if SEALED:
         return SEALED[0].check(student, reference, make_inputs, world_sizes=world_sizes, trials=trials,
-                               forbid=forbid, timeout=timeout, rtol=rtol, atol=atol, same_traffic=same_traffic,
+                               forbid=forbid, allow=allow, timeout=timeout, rtol=rtol, atol=atol, same_traffic=same_traffic,
                                same_order=same_order, same_overlap=same_overlap)
     name = getattr(student, "__name__", "your function")
     world_sizes = list(world_sizes)
@@ -72,7 +78,7 @@ def check(student: Callable, reference: Callable, make_inputs: Callable, *, worl
         for trial in range(trials):
             seed = random.randrange(2**31)
             try:
-                runs = launcher.launch(_run_pair, student, reference, make_inputs, seed, forbid or {},
+                runs = launcher.launch(_run_pair, student, reference, make_inputs, seed, forbid or {}, allow,
                                        world_size=world_size, timeout=timeout)
             except launcher.LaunchError as error:
                 raise AssertionError(f"{name} failed on {world_size} ranks (trial {trial + 1}):\n{error}") from None
@@ -91,16 +97,17 @@ def check(student: Callable, reference: Callable, make_inputs: Callable, *, worl
 
 
 def check_local(student: Callable, reference: Callable, cases: Iterable[tuple], *,
-                forbid: dict[Callable, str] | None = None, rtol: float | None = None,
-                atol: float | None = None, quiet: bool = False) -> None:
-    """Compare `student(*case)` with `reference(*case)` in this process for every case."""
+                forbid: dict[Callable, str] | None = None, allow: Iterable | None = None,
+                rtol: float | None = None, atol: float | None = None, quiet: bool = False) -> None:
+    """Compare `student(*case)` with `reference(*case)` in this process for every case
+    (`forbid`, `allow`: as for `check`)."""
     if SEALED:
-        return SEALED[0].check_local(student, reference, cases, forbid=forbid, rtol=rtol, atol=atol)
+        return SEALED[0].check_local(student, reference, cases, forbid=forbid, allow=allow, rtol=rtol, atol=atol)
     name = getattr(student, "__name__", "your function")
     cases = list(cases)
     for case in cases:
         expected = reference(*copy.deepcopy(case))
-        got = _call_guarded(student, copy.deepcopy(case), forbid or {})
+        got = _call_guarded(student, copy.deepcopy(case), forbid or {}, allow)
         compare_values(got, expected, f"{name}{tuple(case)!r}", rtol, atol)
     if not quiet:
         print(f"passed: {name} matches the reference on {len(cases)} case{'s' if len(cases) > 1 else ''}")
@@ -124,7 +131,7 @@ class InputContext:
         return torch.randn(shape, generator=self.local, dtype=dtype).to(launcher.device())
 
 
-def _run_pair(student, reference, make_inputs, seed, forbid):
+def _run_pair(student, reference, make_inputs, seed, forbid, allow):
     """On one rank: the same inputs to both functions; the student's runs under tripwires.
     Returns (student's result or Tripwire, reference's result, (their Traffic, its Traffic))."""
     import torch.distributed as dist
@@ -137,7 +144,7 @@ def _run_pair(student, reference, make_inputs, seed, forbid):
         expected = reference(*copy.deepcopy(inputs))
     with comm.CommLog() as mine:
         try:
-            got = _call_guarded(student, copy.deepcopy(inputs), forbid)
+            got = _call_guarded(student, copy.deepcopy(inputs), forbid, allow)
         except Tripwire as trip:  # sent back as a value: the message alone says it all
             got = trip
     return got, expected, (Traffic.of(mine), Traffic.of(theirs))
@@ -230,18 +237,26 @@ def _calls(collectives: Counter) -> str:
     return ", ".join(f"{kind} x{n}" for kind, n in sorted(collectives.items())) or "no collective"
 
 
-def _call_guarded(fn, args, forbid: dict[Callable, str]):
-    """Call fn(*args); if it reaches any forbidden function, raise Tripwire."""
+def _call_guarded(fn, args, forbid: dict[Callable, str], allow: list | None):
+    """Call fn(*args); if it reaches any forbidden function, or anything of parakit's that
+    `allow` does not name from the student's own code, raise Tripwire. In a notebook the
+    student's code is the cell that defined `fn` (or the functions a wrapper `fn` holds)."""
+    from parakit.grading import allow as allowing
     codes = {inspect.unwrap(f).__code__: (f, why) for f, why in forbid.items()}
     tripped = []
+    name = getattr(fn, "__name__", "your function")
+    gate = None if allow is None else allowing.Gate(allowing.gated(allow), allowing.message(name, allow).format,
+                                                    tripped.append, student=_cells_of(fn), trusted=())
 
     def watch(frame, event, arg):
         if event == "call" and frame.f_code in codes:
-            tripped.append(codes[frame.f_code])
-            raise Tripwire(_trip_message(fn, *codes[frame.f_code]))
+            tripped.append(_trip_message(fn, *codes[frame.f_code]))
+            raise Tripwire(tripped[-1])
+        if gate is not None:
+            gate.watch(frame, event, arg)
 
     previous, previous_threads = sys.getprofile(), threading.getprofile()
-    if codes:  # this thread, and the threads fn starts (DataParallel's workers, say)
+    if codes or gate is not None:  # this thread, and the threads fn starts (DataParallel's workers, say)
         sys.setprofile(watch)
         threading.setprofile(watch)
     try:
@@ -250,8 +265,25 @@ def _call_guarded(fn, args, forbid: dict[Callable, str]):
         sys.setprofile(previous)
         threading.setprofile(previous_threads)
     if tripped:  # the student caught the Tripwire and went on
-        raise Tripwire(_trip_message(fn, *tripped[0]))
+        raise Tripwire(tripped[0])
     return result
+
+
+_PARAKIT = str(Path(__file__).parents[1]) + os.sep
+
+
+def _cells_of(fn) -> tuple[str, ...]:
+    """The notebook cells (file names that are no file) that hold the student's code: fn's,
+    or where fn wraps functions (a test's probe around the student's function), theirs."""
+    held = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if callable(c.cell_contents)]
+    files = set()
+    for f in held or [fn]:
+        methods = [v for v in vars(f).values() if inspect.isfunction(v)] if inspect.isclass(f) else [f]
+        for m in methods:
+            code = getattr(inspect.unwrap(m), "__code__", None)
+            if code is not None and not code.co_filename.startswith((sys.prefix, sys.base_prefix, _PARAKIT)):
+                files.add(code.co_filename)
+    return tuple(files) or ("<no student code>",)
 
 
 def _trip_message(fn, forbidden, why) -> str:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import cloudpickle
 import torch
 
-from parakit.grading import reach, sandbox
+from parakit.grading import allow, reach, sandbox
 from parakit.grading.jail import Tripwire
 from parakit.grading.notebook import defined_names, meta, parse, python_source, setup_statements, shape, signature, used_names
 from parakit.grading.runs import JudgeConfig, Run, Runner, outcome
@@ -118,16 +118,18 @@ class Sealed:
             thread.join()
         return mine, self.cache[key][0]
 
-    def _jobs(self, call_student: bytes, call_reference: bytes, local: bool, forbid, name: str):
-        """The student's job (its cells, the forbidden functions and what only they use withheld)
-        and the reference's."""
+    def _jobs(self, call_student: bytes, call_reference: bytes, local: bool, forbid, allowed, name: str):
+        """The student's job (its cells, the forbidden functions and what only they use withheld,
+        what the exercise allows its code to call of parakit's, the rest gated) and the reference's."""
         withheld = [(f, f"{name} called {_where(f)}, which this exercise forbids: {why}") for f, why in forbid.items()]
         withheld += [(f, f"{name} called {_where(f)}, which only the parts of parakit this exercise forbids use")
                      for f in reach.only_used_by(forbid, self.kept)]
-        student = sandbox.Job(call_student, local, self.cells, cloudpickle.dumps(withheld), True, self.hidden)
+        gate = b"" if allowed is None else cloudpickle.dumps((list(allowed), allow.message(name, allowed)))
+        student = sandbox.Job(call_student, local, self.cells, cloudpickle.dumps(withheld), True, self.hidden,
+                              allow=gate)
         return student, sandbox.Job(call_reference, local)
 
-    def check(self, student, reference, make_inputs, *, world_sizes=(2, 4), trials=2, forbid=None,
+    def check(self, student, reference, make_inputs, *, world_sizes=(2, 4), trials=2, forbid=None, allow=None,
               timeout=60.0, rtol=None, atol=None, same_traffic=False, same_order=False, same_overlap=False) -> None:
         from parakit.grading import Traffic, compare_overlap, compare_traffic, compare_values
         name, forbid = getattr(student, "__name__", "your function"), forbid or {}
@@ -136,7 +138,7 @@ class Sealed:
             for trial in range(trials):
                 seed = random.randrange(2**31)
                 jobs = self._jobs(cloudpickle.dumps((student, make_inputs, seed)),
-                                  cloudpickle.dumps((reference, make_inputs, seed)), False, forbid, name)
+                                  cloudpickle.dumps((reference, make_inputs, seed)), False, forbid, allow, name)
                 mine, theirs = self._pair(*jobs, world_size, timeout)
                 where = f"{name} on {world_size} ranks, trial {trial + 1}"
                 _raise_failures(mine, theirs, where)
@@ -154,11 +156,12 @@ class Sealed:
                 if same_overlap:
                     compare_overlap(traffic, f"{where} (seed {seed})")
 
-    def check_local(self, student, reference, cases, *, forbid=None, rtol=None, atol=None) -> None:
+    def check_local(self, student, reference, cases, *, forbid=None, allow=None, rtol=None, atol=None) -> None:
         from parakit.grading import compare_values
         name, forbid, cases = getattr(student, "__name__", "your function"), forbid or {}, list(cases)
         self.references.append(reference)
-        jobs = self._jobs(cloudpickle.dumps((student, cases)), cloudpickle.dumps((reference, cases)), True, forbid, name)
+        jobs = self._jobs(cloudpickle.dumps((student, cases)), cloudpickle.dumps((reference, cases)), True, forbid,
+                          allow, name)
         mine, theirs = self._pair(*jobs, 1, 60.0 + 0.5 * len(cases))
         _raise_failures(mine, theirs, name)
         _raise_forbidden(mine, theirs, forbid, name)

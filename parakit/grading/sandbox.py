@@ -43,7 +43,9 @@ class Job:
     namespace (student cells have `student=True`, their exceptions are kept, not raised).
     `call`: cloudpickled (fn, make_inputs, seed) for a check, or (fn, cases) for a local
     check. `forbid`: cloudpickled [(function, message)] withheld, and the process locked,
-    after the instructor's cells and before the first student cell."""
+    after the instructor's cells and before the first student cell; `allow`: cloudpickled
+    (allowed, message) for `allow.Gate`, set up then too (the message has a {} for what the
+    student's code called)."""
 
     call: bytes
     local: bool
@@ -52,6 +54,7 @@ class Job:
     locked: bool = False
     hidden: list[str] = field(default_factory=list)
     report_cells: bool = False
+    allow: bytes = b""
 
 
 def student_object(path: tuple[str, ...]):
@@ -310,7 +313,7 @@ def _run(spec: dict) -> None:
     import torch
     import torch.distributed as dist
     import parakit
-    from parakit.grading import codec, jail, relay
+    from parakit.grading import allow, codec, jail, relay
 
     torch.set_num_threads(1)
     rank, world_size, job = spec["rank"], spec["world_size"], spec["job"]
@@ -326,9 +329,14 @@ def _run(spec: dict) -> None:
     dist.init_process_group(relay.BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
 
     def seal():  # the instructor's setup has run; from the student's first line on:
+        notify = lambda text: link.send({"note": "tripped: " + text})  # noqa: E731
+        gate = None
+        if job.allow:
+            allowed, message = cloudpickle.loads(job.allow)
+            gate = allow.Gate(allow.gated(allowed), message.format, notify)  # the codes before any is withheld
         for fn, message in cloudpickle.loads(job.forbid) if job.forbid else ():
-            jail.withhold(fn, message, lambda text: link.send({"note": "tripped: " + text}))
-        jail.lock(spec["scratch"], job.hidden)
+            jail.withhold(fn, message, notify)
+        jail.lock(spec["scratch"], job.hidden, gate.install() if gate else frozenset())
 
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     if job.locked:  # a student's rank: its cells' names are what StudentName proxies become
