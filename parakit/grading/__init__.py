@@ -60,8 +60,8 @@ def check(student: Callable, reference: Callable, make_inputs: Callable, *, worl
     `forbid` maps forbidden functions to the reason; `allow` names what of parakit the
     student's code may call (functions, classes, modules: `allow.gated`), and anything else
     of parakit's it calls trips (None: nothing gated, as the lessons' checks are until each
-    names its allowlist). `same_traffic`: the communication must
-    match too (see the module's docstring); `same_order`: each rank's calls, one by one, in
+    names its allowlist). `same_traffic`: the communication must match too (see the module's
+    docstring); `same_order`: each rank's calls, one by one, in
     the reference's order, each of the same kind, with the same peer and bytes; `same_overlap`
     (sealed grading only, where the relay sees it): as many of each rank's calls in flight
     while its backward went on as the reference's (a blocking call, or one started at the
@@ -70,8 +70,8 @@ def check(student: Callable, reference: Callable, make_inputs: Callable, *, worl
     """
     if SEALED:
         return SEALED[0].check(student, reference, make_inputs, world_sizes=world_sizes, trials=trials,
-                               forbid=forbid, allow=allow, timeout=timeout, rtol=rtol, atol=atol, same_traffic=same_traffic,
-                               same_order=same_order, same_overlap=same_overlap)
+                               forbid=forbid, allow=allow, timeout=timeout, rtol=rtol, atol=atol,
+                               same_traffic=same_traffic, same_order=same_order, same_overlap=same_overlap)
     name = getattr(student, "__name__", "your function")
     world_sizes = list(world_sizes)
     for world_size in world_sizes:
@@ -273,8 +273,9 @@ _PARAKIT = str(Path(__file__).parents[1]) + os.sep
 
 
 def _cells_of(fn) -> tuple[str, ...]:
-    """The notebook cells (file names that are no file) that hold the student's code: fn's,
-    or where fn wraps functions (a test's probe around the student's function), theirs."""
+    """The files of the student's code (a notebook's cells; anything outside Python's, the
+    venv's and parakit's folders): fn's, or where fn wraps functions (a test's probe around
+    the student's function), theirs."""
     held = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if callable(c.cell_contents)]
     files = set()
     for f in held or [fn]:
