@@ -44,6 +44,7 @@ def gated(allow: Iterable) -> dict:
     modules imported now that `allow` does not name (nor ALWAYS): module-level functions, the
     functions of its classes (generated ones, a dataclass's `__init__`, included), property
     accessors, nested classes'. (A sealed rank's zygote has imported every module.)"""
+    from parakit.grading.reach import _code
     allow = list(allow)
     modules = tuple(m.__name__ for m in allow if isinstance(m, types.ModuleType)) + ALWAYS
     classes = {base for c in allow if isinstance(c, type) for base in c.__mro__}
@@ -66,6 +67,7 @@ def gated(allow: Iterable) -> dict:
 
 
 def _class_codes(cls, allowed: set, codes: dict) -> None:
+    from parakit.grading.reach import _code
     if cls in allowed:
         return
     for value in vars(cls).values():
@@ -76,18 +78,6 @@ def _class_codes(cls, allowed: set, codes: dict) -> None:
             code = _code(fn)
             if code is not None:
                 codes[code] = f"{cls.__module__}.{cls.__qualname__}.{getattr(fn, '__name__', '?')}"
-
-
-def _code(fn) -> types.CodeType | None:
-    """The code a function (or a decorated one) runs; None for anything else."""
-    while fn is not None and not isinstance(fn, types.FunctionType) and hasattr(fn, "__wrapped__"):
-        fn = fn.__wrapped__
-    fn = getattr(fn, "__func__", fn)
-    if isinstance(fn, types.FunctionType):
-        while hasattr(fn, "__wrapped__") and isinstance(fn.__wrapped__, types.FunctionType):
-            fn = fn.__wrapped__
-        return fn.__code__
-    return None
 
 
 def message(name: str, allow: Iterable) -> str:
