@@ -44,11 +44,11 @@ def gated(allow: Iterable) -> dict:
     modules imported now that `allow` does not name (nor ALWAYS): module-level functions, the
     functions of its classes (generated ones, a dataclass's `__init__`, included), property
     accessors, nested classes'. (A sealed rank's zygote has imported every module.)"""
-    from parakit.grading.reach import _code
+    from parakit.grading.reach import code_of
     allow = list(allow)
     modules = tuple(m.__name__ for m in allow if isinstance(m, types.ModuleType)) + ALWAYS
     classes = {base for c in allow if isinstance(c, type) for base in c.__mro__}
-    functions = {_code(f) for f in allow if not isinstance(f, (type, types.ModuleType))}
+    functions = {code_of(f) for f in allow if not isinstance(f, (type, types.ModuleType))}
     codes = {}
     for name, module in list(sys.modules.items()):
         if not (name == "parakit" or name.startswith("parakit.")) or module is None or \
@@ -59,15 +59,15 @@ def gated(allow: Iterable) -> dict:
                 continue
             if isinstance(value, type):
                 _class_codes(value, classes, codes)
-            elif _code(value) is not None:
-                codes[_code(value)] = f"{name}.{value.__qualname__}"
+            elif code_of(value) is not None:
+                codes[code_of(value)] = f"{name}.{value.__qualname__}"
     for code in functions:
         codes.pop(code, None)
     return codes
 
 
 def _class_codes(cls, allowed: set, codes: dict) -> None:
-    from parakit.grading.reach import _code
+    from parakit.grading.reach import code_of
     if cls in allowed:
         return
     for value in vars(cls).values():
@@ -75,7 +75,7 @@ def _class_codes(cls, allowed: set, codes: dict) -> None:
             _class_codes(value, allowed, codes)
             continue
         for fn in (value, getattr(value, "__func__", None), getattr(value, "fget", None), getattr(value, "fset", None)):
-            code = _code(fn)
+            code = code_of(fn)
             if code is not None:
                 codes[code] = f"{cls.__module__}.{cls.__qualname__}.{getattr(fn, '__name__', '?')}"
 

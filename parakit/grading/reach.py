@@ -33,8 +33,8 @@ def only_used_by(forbidden: Iterable[Callable], kept: Iterable[str]) -> list[Cal
     """The parakit callables (functions, methods, property getters) that only `forbidden`
     and each other name, and no source in `kept` names; `forbidden` itself not included."""
     units, named_by, members = _graph()
-    by_code = {_code(fn): key for key, fn in units.items() if _code(fn) is not None}
-    start = {by_code[_code(f)] for f in forbidden if _code(f) in by_code}
+    by_code = {code_of(fn): key for key, fn in units.items() if code_of(fn) is not None}
+    start = {by_code[code_of(f)] for f in forbidden if code_of(f) in by_code}
     kept_names = {x for source in kept for _, x in _names(ast.parse(source))}
     withheld, grew = set(start), True
     while grew:
@@ -44,7 +44,7 @@ def only_used_by(forbidden: Iterable[Callable], kept: Iterable[str]) -> list[Cal
             if users and users <= withheld and key[-1] not in kept_names:
                 withheld |= {key, *members.get(key, ())}
                 grew = True
-    return [units[key] for key in sorted(withheld - start) if _code(units[key]) is not None]
+    return [units[key] for key in sorted(withheld - start) if code_of(units[key]) is not None]
 
 
 @functools.lru_cache(maxsize=1)
@@ -108,7 +108,7 @@ def _member(owner, name: str):
     staticmethod, classmethod and property (its getter); None if it is not one."""
     obj = owner.__dict__.get(name) if inspect.isclass(owner) else getattr(owner, name, None)
     obj = getattr(obj, "fget", None) or getattr(obj, "__func__", obj)
-    return obj if _code(obj) is not None else None
+    return obj if code_of(obj) is not None else None
 
 
 def _called_by_torch(cls, name: str) -> bool:
@@ -163,7 +163,8 @@ def _resolver(units: dict):
     return resolve
 
 
-def _code(fn):
+def code_of(fn):
+    """The code object a function (or a bound or decorated one) runs; None for what runs none."""
     fn = getattr(fn, "__func__", fn)
     try:
         fn = inspect.unwrap(fn)
