@@ -3,6 +3,7 @@ sees every message, the jail a student's rank runs in, and the withheld function
 from __future__ import annotations
 
 import os
+import random
 import sys
 
 import cloudpickle
@@ -239,6 +240,31 @@ def test_a_hung_check_costs_the_judges_floor_not_the_checks_60_s_timeout(runner)
         sealed.check(lambda seconds: sleep_then_one(10 * seconds), sleep_then_one, takes(0.1), world_sizes=(1,), trials=1)
         with pytest.raises(AssertionError, match=r"did not finish within 3(\.0+)? s"):
             sealed.check(lambda seconds: sleep_then_one(600 * seconds), sleep_then_one, takes(0.1), world_sizes=(1,),
+                         trials=1)
+    finally:
+        student.close()
+
+
+def test_a_reference_time_kept_from_a_quieter_moment_is_measured_again_before_a_slow_answer_loses(runner):
+    """The reference's result and time are kept for the class; where its kept time is from a
+    quieter moment (here set to 0.01 s for a reference that takes 0.4 s: the machine has
+    slowed since), a right answer that runs out of the kept limit (the 1 s floor) is run again
+    under ten times the reference's time now, and keeps its marks; a hang is still cut."""
+    from parakit.grading.judge import Sealed
+    student = Runner(JudgeConfig())
+    try:
+        sealed = Sealed(runner, student, [], [], {}, [], floor=1.0)
+        random.seed(0)  # as the judge seeds each test cell: the same inputs, so the reference's kept run
+        sealed.check(sleep_then_one, sleep_then_one, takes(0.4), world_sizes=(1,), trials=1)
+        (key, (run, _)), = sealed.cache.items()
+        sealed.cache[key] = (run, 0.01)
+        random.seed(0)
+        sealed.check(lambda seconds: sleep_then_one(5 * seconds), sleep_then_one, takes(0.4), world_sizes=(1,),
+                     trials=1)
+        assert sealed.cache[key][1] >= 0.4
+        random.seed(0)
+        with pytest.raises(AssertionError, match=r"did not finish within"):
+            sealed.check(lambda seconds: sleep_then_one(600 * seconds), sleep_then_one, takes(0.4), world_sizes=(1,),
                          trials=1)
     finally:
         student.close()
