@@ -8,8 +8,7 @@ it expects; `standard_panel` adds the students every lesson is graded against:
     hardcoded      full, with some answers replaced by ones that only pass the visible tests
     edited_tests   the lesson as released, every test cell replaced by `pass`: once the grader
                    restores the tests, this is the untouched lesson, whose stubs score 0
-    hang           full, one answer cell never returns
-    crash          full, one answer cell kills the kernel
+    hang_and_crash full, one answer cell never returns and another kills the kernel
     missing_cells  full, the test cells of one exercise deleted
     not_a_notebook a file with the lesson's name that is not JSON
     wrong_name     the full solution saved as `<lesson>-Copy1.ipynb`
@@ -132,7 +131,7 @@ def standard_panel(lesson_path, solution_path, *, hardcoded: dict[str, str],
     hardcoded: answer grade_id -> a source that passes the visible tests only;
     hardcoded_expected: the test scores that changes (others stay full).
     hang_in / crash_in / missing_exercise: the answer whose cell hangs / crashes / whose tests are
-    deleted (default: the first answer). borrowed: answer grade_id -> a source that calls the
+    deleted (default: the first answer; crash_in the next one). borrowed: answer grade_id -> a source that calls the
     finished thing (parakit's or torch's own), a student who scores 0 on every test by the
     tripwires. extra: the lesson's own students.
     """
@@ -147,17 +146,17 @@ def standard_panel(lesson_path, solution_path, *, hardcoded: dict[str, str],
         expected.update(scores)
         return expected
 
-    hang_in, crash_in = hang_in or first, crash_in or first
+    hang_in = hang_in or first
+    crash_in = crash_in or next(a for a in groups if a != hang_in)
+    assert hang_in != crash_in, "one student hangs in one answer and crashes in another: name two answers"
     missing = groups[missing_exercise or first]
     return [
         Student("full", {name: full}, full_except()),
         Student("hardcoded", {name: with_sources(full, hardcoded)}, full_except(**hardcoded_expected)),
         Student("edited_tests", {name: with_sources(lesson, {t: EDITED_TEST for t in pts})}, {},
                 report=["edited test cells, restored"]),
-        Student("hang", {name: with_sources(full, {hang_in: hang_source})}, full_except([hang_in]),
-                report=["timed out"]),
-        Student("crash", {name: with_sources(full, {crash_in: crash_source})}, full_except([crash_in]),
-                report=["the kernel died"]),
+        Student("hang_and_crash", {name: with_sources(full, {hang_in: hang_source, crash_in: crash_source})},
+                full_except([hang_in, crash_in]), report=["timed out", "the kernel died"]),
         Student("missing_cells", {name: without(full, missing)}, full_except(**{t: 0.0 for t in missing}),
                 report=["missing test cells, scored 0: " + missing[0]]),
         Student("not_a_notebook", {name: "this is not a notebook {"}, {}, report=["not a notebook (invalid JSON"]),

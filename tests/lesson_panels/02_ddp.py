@@ -243,11 +243,11 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     }
     assert all(wrong[gid] != solved[gid] for gid in wrong) and all(unhurried[g] != solved[g] for g in unhurried)
     students = panel.standard_panel(
-        lesson, solution, hang_in="no_sync", crash_in="overlap_ddp",
+        lesson, solution, hang_in="no_sync", crash_in="flat_ddp",
         hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0), borrowed=borrowed,
         extra=[panel.Student("wrong_technique", {lesson.name: panel.with_sources(full, wrong)}, {}),
                panel.Student("otherwise", {lesson.name: panel.with_sources(full, OTHERWISE)}, dict(pts))])
-    hang = next(s for s in students if s.name == "hang")
+    hang = next(s for s in students if s.name == "hang_and_crash")
     hang.files[lesson.name] = panel.with_sources(hang.files[lesson.name], deferred)
     hang.expected.update(test_overlap_ddp=0.0, test_bucketed_ddp=0.0)
     missing = next(s for s in students if s.name == "missing_cells")

@@ -158,7 +158,7 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
         extra=[panel.Student("wrong_technique", {lesson.name: panel.with_sources(full, wrong)},
                              {"test_best_segment_count": pts["test_best_segment_count"]}),
                panel.Student("otherwise", {lesson.name: panel.with_sources(full, OTHERWISE)}, dict(pts))])
-    hang = next(s for s in students if s.name == "hang")
+    hang = next(s for s in students if s.name == "hang_and_crash")
     hang.files[lesson.name] = panel.with_sources(hang.files[lesson.name], {"my_checkpoint": CHECKPOINT_FORGETS_THE_RNG})
     hang.expected.update(test_my_checkpoint=0.0)
     missing = next(s for s in students if s.name == "missing_cells")

@@ -297,9 +297,9 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
         lesson, solution, hang_in="token_weighted_loss", crash_in="capture_resume",
         hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0), borrowed=BORROWED,
         extra=[panel.Student("wrong_technique", {lesson.name: panel.with_sources(full, wrong)}, {})])
-    extra_wrongs = {"hang": ({"clip_grad_norm": CLIP_OVER_DP}, ["test_clip_grad_norm"]),
-                    "crash": ({"save_sharded": SAVE_INDEX_FIRST + "\n\n" + LOAD_COPIES_FIRST},
-                              ["test_save_sharded", "test_load_resharded"]),
+    extra_wrongs = {"hang_and_crash": ({"clip_grad_norm": CLIP_OVER_DP,
+                                        "save_sharded": SAVE_INDEX_FIRST + "\n\n" + LOAD_COPIES_FIRST},
+                                       ["test_clip_grad_norm", "test_save_sharded", "test_load_resharded"]),
                     "missing_cells": ({"capture_resume": RESUME_FROM_ZERO}, ["test_resume"])}
     for student in students:
         if student.name in extra_wrongs:
