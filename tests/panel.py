@@ -131,9 +131,9 @@ def standard_panel(lesson_path, solution_path, *, hardcoded: dict[str, str],
     hardcoded: answer grade_id -> a source that passes the visible tests only;
     hardcoded_expected: the test scores that changes (others stay full).
     hang_in / crash_in / missing_exercise: the answer whose cell hangs / crashes / whose tests are
-    deleted (default: the first answer; crash_in the next one). borrowed: answer grade_id -> a source that calls the
-    finished thing (parakit's or torch's own), a student who scores 0 on every test by the
-    tripwires. extra: the lesson's own students.
+    deleted (default: the first answer; crash_in the next one). borrowed: answer grade_id -> a
+    source that calls the finished thing (parakit's or torch's own), a student who scores 0 on
+    every test by the tripwires. extra: the lesson's own students.
     """
     lesson, solution = load(lesson_path), load(solution_path)
     name = Path(lesson_path).name
