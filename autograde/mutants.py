@@ -136,8 +136,8 @@ def build(lesson: str, solution, catalog: dict, exercises=None, operators=None) 
     for m in made:
         if m.exercise in tests and not tests[m.exercise]:
             m.problem, m.source = m.problem or "no test cell follows the answer cell", None
-    order = list(cells)
-    return [compiled(m) for m in sorted(made, key=lambda m: order.index(m.exercise) if m.exercise in cells else len(order))]
+    order = {exercise: i for i, exercise in enumerate(cells)}
+    return [compiled(m) for m in sorted(made, key=lambda m: order.get(m.exercise, len(order)))]
 
 
 # ---------------------------------------------------------------------------- grading
@@ -186,28 +186,34 @@ def grade(lesson: str, solutions: Path, mutants: list[Mutant], out: Path, jobs: 
     return {r.student: r for r in results}
 
 
-def scored(result, tests: list[str]) -> tuple[float, float]:
-    return sum(result.tests[t][0] for t in tests), sum(result.tests[t][1] for t in tests)
+def full_marks(result, tests: list[str]) -> bool:
+    """Whether `result` scored every point of the tests named."""
+    return all(result.tests[t][0] >= result.tests[t][1] for t in tests)
 
 
 def judge(m: Mutant, results: dict, tests: list[str], catalog: dict) -> None:
     """Set m's outcome from its result: killed, survived (and why, if explained), or not judged."""
     result, control = results.get(m.student), results.get(CONTROL)
-    if control is None or control.status != "graded" or scored(control, tests)[0] < scored(control, tests)[1]:
+    if control is None or control.status != "graded" or not full_marks(control, tests):
         m.outcome, m.how = "not judged", "the solution itself is short of full marks on this exercise"
     elif result is None or result.status != "graded":
         m.outcome, m.how = "not judged", f"not graded: {result.status if result else 'no result'}"
-    elif scored(result, tests)[0] < scored(result, tests)[1]:
-        failed = next(t for t in tests if result.tests[t][0] < result.tests[t][1])
+    elif not full_marks(result, tests):
+        failed = next(t for t in tests if not full_marks(result, [t]))
         message = result.messages.get(failed, "").strip().splitlines()
-        m.outcome, m.how = "killed", failed + (f" ({message[0][:150]})" if message else "")
+        m.outcome, m.how = "killed", failed + (f" ({message[0][:200]})" if message else "")
     else:
         m.outcome, m.how = "survived", explanation(catalog, m)
 
 
+def explanations(catalog: dict, m: Mutant) -> dict[str, str]:
+    """The catalog's explanations of survivors of m's exercise: mutant or operator -> why."""
+    return catalog.get("survivors", {}).get(m.lesson, {}).get(m.exercise, {})
+
+
 def explanation(catalog: dict, m: Mutant) -> str:
     """Why the catalog says the exercise's text allows `m` ("": it does not say)."""
-    said = catalog.get("survivors", {}).get(m.lesson, {}).get(m.exercise, {})
+    said = explanations(catalog, m)
     return said.get(m.name) or said.get(m.operator) or ""
 
 
@@ -233,10 +239,11 @@ def counts(mutants: list[Mutant]) -> list[int]:
             len(mutants) - len(built)]
 
 
-def section(lesson: str, mutants: list[Mutant], heading: str) -> str:
-    """The table's section of one lesson: its run, a summary row per exercise, a row per mutant."""
+def section(lesson: str, exercises: list[str], mutants: list[Mutant], heading: str) -> str:
+    """The table's section of one lesson: its run, a summary row per exercise (those without mutants too), a row
+    per mutant."""
     rows = ["| exercise | mutants | killed | survived | not built |", "|---|---|---|---|---|"]
-    for exercise in dict.fromkeys(m.exercise for m in mutants):
+    for exercise in dict.fromkeys([*exercises, *(m.exercise for m in mutants)]):
         rows.append(f"| {exercise} | " + " | ".join(map(str, counts([m for m in mutants if m.exercise == exercise])))
                     + " |")
     rows += ["", "| exercise | mutant | rewrites | outcome |", "|---|---|---|---|"]
@@ -290,13 +297,26 @@ def run_lesson(lesson: str, args, catalog: dict, out: Path) -> list[Mutant]:
         judge(m, results, tests[m.exercise], catalog)
     for m in mutants:
         print(f"  {m.student}: {verdict(m)}")
-    asked = "".join(f" --{k} {' '.join(v)}" for k, v in (("exercise", args.exercise), ("operator", args.operator)) if v)
-    heading = (f"Run on {time.strftime('%Y-%m-%d')}{asked}: {counts(mutants)[0]} mutants and the solution, one grade "
-               f"run, {time.monotonic() - start:.0f} s with --jobs {args.jobs}"
-               f"{' (whole notebooks)' if args.whole else ''}.")
-    if args.table:
-        write_table(args.table, lesson, section(lesson, mutants, heading))
+    exercises = [e for e in answers(solution) if not args.exercise or e in args.exercise]
+    heading = run_line(args, mutants, time.monotonic() - start)
+    write_table(args.table, lesson, section(lesson, exercises, mutants, heading))
     return mutants
+
+
+def run_line(args, mutants: list[Mutant], seconds: float) -> str:
+    """The line under a lesson's heading in the table: when, what was asked, how many, how long."""
+    asked = "".join(f" --{k} {' '.join(v)}" for k, v in (("exercise", args.exercise), ("operator", args.operator)) if v)
+    return (f"Run on {time.strftime('%Y-%m-%d')}{asked}: {counts(mutants)[0]} mutants and the solution, one grade run, "
+            f"{seconds:.0f} s with --jobs {args.jobs}{' (whole notebooks)' if args.whole else ''}.")
+
+
+def check_operators(asked: list[str] | None, catalog: dict) -> None:
+    """Stop with what there is when --operator names neither an operator nor a hand-written mutant."""
+    known = set(mutations.OPERATORS) | {h["name"] for h in catalog.get("hand", [])}
+    unknown = sorted(set(asked or ()) - known)
+    if unknown:
+        raise SystemExit(f"--operator {' '.join(unknown)}: no such operator or hand-written mutant; the operators are "
+                         f"{', '.join(mutations.OPERATORS)}")
 
 
 def parse_args(argv):
@@ -322,11 +342,14 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     args = parse_args(argv)
     catalog = tomllib.loads(args.catalog.read_text())
+    check_operators(args.operator, catalog)
     names = sorted(p.stem for p in args.solutions.glob("*.ipynb"))
     lessons = course.choose({}, {}, names, args.lesson, None)[1] if args.lesson else names
     with tempfile.TemporaryDirectory(prefix="parakit-mutants-") as scratch:
         out = args.out or Path(scratch)
         mutants = [m for lesson in lessons for m in run_lesson(lesson, args, catalog, out)]
+    for m in (m for m in mutants if m.outcome == "killed" and m.name in explanations(catalog, m)):
+        print(f"note: {m.lesson} {m.student} was killed: the catalog's line explaining it as a survivor can go")
     failing = unexplained(mutants)
     for m in failing:
         print(f"{m.lesson} {m.student}: {verdict(m)}")

@@ -269,10 +269,11 @@ class BufferKept(Operator):
     name = "buffer_kept"
 
     def matches(self, node) -> bool:
+        """`del ...`, `x.resize_(0)` and `x.attr = None`, each a statement."""
         resized = isinstance(node, ast.Expr) and call_name(node.value) == "resize_" and \
             [ast.dump(a) for a in node.value.args] == [ast.dump(ast.Constant(0))]
-        dropped = isinstance(node, ast.Assign) and len(node.targets) == 1 and \
-            isinstance(node.targets[0], ast.Attribute) and isinstance(node.value, ast.Constant) and node.value.value is None
+        dropped = isinstance(node, ast.Assign) and [type(t) for t in node.targets] == [ast.Attribute] and \
+            isinstance(node.value, ast.Constant) and node.value.value is None
         return isinstance(node, ast.Delete) or resized or dropped
 
     def rewrite(self, node):

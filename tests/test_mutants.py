@@ -19,7 +19,7 @@ import parakit
 from conftest import REPO
 
 sys.path.insert(0, str(REPO))
-from autograde import mutations  # noqa: E402
+from autograde import mutants, mutations  # noqa: E402
 
 FIXTURE = Path(__file__).parent / "fixtures" / "mutable.ipynb"
 
@@ -94,7 +94,8 @@ def test_separate_posts_posts_each_op_of_a_batch_by_itself_in_order():
 
 
 def test_sends_and_receives_swapped_reverses_the_ops_and_swaps_adjacent_posts():
-    assert [s.split(":")[0] for s in mutations.sites(RING_STEP, "sends_and_receives_swapped")] == ["line 10", "line 22", "line 25"]
+    where = mutations.sites(RING_STEP, "sends_and_receives_swapped")
+    assert [s.split(":")[0] for s in where] == ["line 10", "line 22", "line 25"]
     mutant = mutations.mutate(RING_STEP, "sends_and_receives_swapped")
     assert "ops = [dist.P2POp(dist.irecv, incoming, (rank - 1) % n), dist.P2POp(dist.isend, mine" in mutant
     assert mutant.index("received = dist.irecv") < mutant.index("sent = dist.isend") < mutant.index("else:")
@@ -130,7 +131,8 @@ def test_all_reduce_and_slice_gives_each_rank_its_slice_of_the_sum():
 def test_broadcast_removed_leaves_each_rank_what_it_had():
     mutant = mutations.mutate(SCATTER, "broadcast_removed")
     assert "_not_sent(piece, src=0)" in mutant
-    same, mine = on_two_ranks(SCATTER, "scattered", torch.arange(4.0)), on_two_ranks(mutant, "scattered", torch.arange(4.0))
+    x = torch.arange(4.0)
+    same, mine = on_two_ranks(SCATTER, "scattered", x), on_two_ranks(mutant, "scattered", x)
     assert torch.equal(same[0], same[1]) and torch.equal(mine[0], same[0])
     assert torch.equal(same[1], torch.tensor([1.0, 3.0])) and torch.equal(mine[1], torch.tensor([5.0, 7.0]))  # its own
 
@@ -370,14 +372,21 @@ def test_with_every_survivor_explained_the_run_passes_and_replaces_its_section(l
     assert "| add |" not in table
 
 
-def test_list_prints_the_mutants_and_grades_nothing(lesson):
-    listed = mutants_command(lesson, "--list", "--out", str(lesson / "listed"))
-    assert listed.returncode == 0, listed.stderr
-    assert listed.stdout.splitlines() == [
+def test_list_prints_the_mutants_and_grades_nothing(lesson, capsys):
+    assert mutants.main(["--list", "--solutions", str(lesson / "solutions"), "--catalog", str(lesson / "catalog.toml"),
+                         "--table", str(lesson / "listed.md"), "--out", str(lesson / "listed")]) == 0
+    assert capsys.readouterr().out.splitlines() == [
         "mutable add.subtracted: a - b: a value that changes",
         "mutable add.commuted: b + a",
         "mutable add.broken: not built: the mutated cell does not compile: invalid syntax (line 4)",
         "mutable with_precision.finally_removed: line 6: try:",
         "mutable sum_of_squares.buffer_kept: line 6: del squares",
         "mutable no_such.elsewhere: not built: no answer cell no_such in mutable"]
-    assert not (lesson / "listed").exists()
+    assert not (lesson / "listed").exists() and not (lesson / "listed.md").exists()
+
+
+def test_an_operator_that_does_not_exist_is_refused_with_the_list(lesson):
+    with pytest.raises(SystemExit, match="--operator blocked: no such operator or hand-written mutant; the operators "
+                                         "are blocking, separate_posts,"):
+        mutants.main(["--list", "--operator", "blocked", "--solutions", str(lesson / "solutions"),
+                      "--catalog", str(lesson / "catalog.toml")])
