@@ -200,8 +200,9 @@ def judge(m: Mutant, results: dict, tests: list[str], catalog: dict) -> None:
         m.outcome, m.how = "not judged", f"not graded: {result.status if result else 'no result'}"
     elif not full_marks(result, tests):
         failed = next(t for t in tests if not full_marks(result, [t]))
-        message = result.messages.get(failed, "").strip().splitlines()
-        m.outcome, m.how = "killed", failed + (f" ({message[0][:200]})" if message else "")
+        message = " ".join(result.messages.get(failed, "").split())
+        message = message if len(message) <= 240 else f"{message[:110]} ... {message[-125:]}"  # what differs: its end
+        m.outcome, m.how = "killed", failed + (f" ({message})" if message else "")
     else:
         m.outcome, m.how = "survived", explanation(catalog, m)
 
@@ -288,8 +289,8 @@ def run_lesson(lesson: str, args, catalog: dict, out: Path) -> list[Mutant]:
         for m in mutants:
             print(f"{lesson} {m.student}: " + (f"not built: {m.problem}" if m.problem else m.where))
         return []
-    print(f"{lesson}: grading {len(ready)} mutants and the solution in one grade run (log: {out / lesson})",
-          flush=True)
+    print(f"{lesson}: grading {course.count(len(ready), 'mutant')} and the solution in one grade run "
+          f"(log: {out / lesson})", flush=True)
     start = time.monotonic()
     results = grade(lesson, args.solutions, ready, out, args.jobs, args.whole) if ready else {}
     tests = tests_of(solution)
@@ -306,8 +307,9 @@ def run_lesson(lesson: str, args, catalog: dict, out: Path) -> list[Mutant]:
 def run_line(args, mutants: list[Mutant], seconds: float) -> str:
     """The line under a lesson's heading in the table: when, what was asked, how many, how long."""
     asked = "".join(f" --{k} {' '.join(v)}" for k, v in (("exercise", args.exercise), ("operator", args.operator)) if v)
-    return (f"Run on {time.strftime('%Y-%m-%d')}{asked}: {counts(mutants)[0]} mutants and the solution, one grade run, "
-            f"{seconds:.0f} s with --jobs {args.jobs}{' (whole notebooks)' if args.whole else ''}.")
+    whole = " (whole notebooks)" if args.whole else ""
+    return (f"Run on {time.strftime('%Y-%m-%d')}{asked}: {course.count(counts(mutants)[0], 'mutant')} and the "
+            f"solution, one grade run, {seconds:.0f} s with --jobs {args.jobs}{whole}.")
 
 
 def check_operators(asked: list[str] | None, catalog: dict) -> None:

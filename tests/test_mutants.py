@@ -368,7 +368,7 @@ def test_with_every_survivor_explained_the_run_passes_and_replaces_its_section(l
     again = mutants_command(lesson, "--exercise", "sum_of_squares")
     assert again.returncode == 0, again.stdout + again.stderr
     table = (lesson / "MUTANTS.md").read_text()
-    assert table.count("## mutable") == 1 and "--exercise sum_of_squares: 1 mutants and the solution" in table
+    assert table.count("## mutable") == 1 and "--exercise sum_of_squares: 1 mutant and the solution" in table
     assert "| add |" not in table
 
 
