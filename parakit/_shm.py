@@ -4,11 +4,12 @@
     obj = loads(data, shared=False)        # every storage mapped from its file, copy-on-write
 
 `dumps` pickles with cloudpickle (so functions and classes from a notebook cell travel by
-value), except the bytes of every CPU storage, the memory under tensors, parameters and
-models: each storage is written once into a file in /dev/shm named after the prefix, and the
-pickle only names the file, as `torch.save` names its storages. Storages under 64 KiB travel
-inside the pickle instead (a file costs more than copying them). Tensors that share a
-storage (a view, tied weights) still share it after `loads`.
+value, their code still naming the cell's file, not cloudpickle's "<dynamic-code>"), except
+the bytes of every CPU storage, the memory under tensors, parameters and models: each
+storage is written once into a file in /dev/shm named after the prefix, and the pickle only
+names the file, as `torch.save` names its storages. Storages under 64 KiB travel inside the
+pickle instead (a file costs more than copying them). Tensors that share a storage (a view,
+tied weights) still share it after `loads`.
 
 `loads(shared=False)` maps each file copy-on-write (MAP_PRIVATE): every process that loads
 the same data reads the same pages, and a process that writes into a tensor gets private
@@ -38,6 +39,7 @@ import io
 import os
 import pickle
 import tempfile
+import types
 
 import cloudpickle
 import torch
@@ -111,6 +113,8 @@ class _Pickler(cloudpickle.Pickler):
                 return obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         if self.detach and type(obj) is torch.Tensor and obj.requires_grad:
             return obj.detach().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        if type(obj) is types.CodeType:
+            return _code_with_its_file(obj)
         return super().reducer_override(obj)
 
     def persistent_id(self, obj):
@@ -140,6 +144,15 @@ class _Pickler(cloudpickle.Pickler):
                 if self.write:
                     _write(storage, os.path.join(DIR, name))
         return self.names[storage._cdata]
+
+
+def _code_with_its_file(code: types.CodeType) -> tuple:
+    """cloudpickle's reduction of a code object, with the file it came from instead of
+    cloudpickle's "<dynamic-code>": a rank's traceback then names the notebook's cell (its
+    lines travel with the call), and a grading gate tells the student's cells from the
+    instructor's."""
+    make, args = cloudpickle.cloudpickle._code_reduce(code)
+    return make, tuple(code.co_filename if arg == "<dynamic-code>" else arg for arg in args)
 
 
 def _write(storage: torch.UntypedStorage, path: str) -> None:

@@ -162,7 +162,6 @@ def all_reduce_two_phase(tensor):
 
 
 USES_THE_RING = ["test_ring_bytes_per_rank"]  # checks the formula against the student's own ring
-RING_STILL_SENDS = {"borrows_from_a_thread"}   # its ring is parakit's, which the bytes test does not forbid
 
 
 def students(lesson: Path, solution: Path) -> list[panel.Student]:
@@ -181,6 +180,6 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
                     cell.execution_count = 1
                     cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="passed\n")]
             report = ["passed in the submitted notebook's own run but fails in the sealed grade"]
-        lost = groups[answer] + (USES_THE_RING if answer == "ring_all_reduce" and name not in RING_STILL_SENDS else [])
+        lost = groups[answer] + (USES_THE_RING if answer == "ring_all_reduce" else [])
         made.append(panel.Student(name, {lesson.name: nb}, {**pts, **{t: 0.0 for t in lost}}, report))
     return made

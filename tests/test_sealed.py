@@ -221,10 +221,10 @@ def test_a_check_waits_ten_times_the_references_time_so_a_slowed_right_answer_ke
     try:
         sealed = Sealed(runner, student, [], [], {}, [])
         slow = lambda seconds: sleep_then_one(2 * seconds)  # noqa: E731
-        sealed.check(slow, sleep_then_one, takes(1.0), world_sizes=(1,), trials=1, timeout=0.5)
+        sealed.check(slow, sleep_then_one, takes(1.0), world_sizes=(1,), allow=[], trials=1, timeout=0.5)
         never = lambda seconds: sleep_then_one(60 * seconds)  # noqa: E731
         with pytest.raises(AssertionError, match=r"did not finish within 1\d\.\d+ s"):
-            sealed.check(never, sleep_then_one, takes(1.0), world_sizes=(1,), trials=1, timeout=0.5)
+            sealed.check(never, sleep_then_one, takes(1.0), world_sizes=(1,), allow=[], trials=1, timeout=0.5)
     finally:
         student.close()
 
@@ -237,10 +237,11 @@ def test_a_hung_check_costs_the_judges_floor_not_the_checks_60_s_timeout(runner)
     student = Runner(JudgeConfig())
     try:
         sealed = Sealed(runner, student, [], [], {}, [], floor=3.0)
-        sealed.check(lambda seconds: sleep_then_one(10 * seconds), sleep_then_one, takes(0.1), world_sizes=(1,), trials=1)
+        sealed.check(lambda seconds: sleep_then_one(10 * seconds), sleep_then_one, takes(0.1), world_sizes=(1,),
+                     allow=[], trials=1)
         with pytest.raises(AssertionError, match=r"did not finish within 3(\.0+)? s"):
             sealed.check(lambda seconds: sleep_then_one(600 * seconds), sleep_then_one, takes(0.1), world_sizes=(1,),
-                         trials=1)
+                         allow=[], trials=1)
     finally:
         student.close()
 
@@ -255,17 +256,17 @@ def test_a_reference_time_kept_from_a_quieter_moment_is_measured_again_before_a_
     try:
         sealed = Sealed(runner, student, [], [], {}, [], floor=1.0)
         random.seed(0)  # as the judge seeds each test cell: the same inputs, so the reference's kept run
-        sealed.check(sleep_then_one, sleep_then_one, takes(0.4), world_sizes=(1,), trials=1)
+        sealed.check(sleep_then_one, sleep_then_one, takes(0.4), world_sizes=(1,), allow=[], trials=1)
         (key, (run, _)), = sealed.cache.items()
         sealed.cache[key] = (run, 0.01)
         random.seed(0)
         sealed.check(lambda seconds: sleep_then_one(5 * seconds), sleep_then_one, takes(0.4), world_sizes=(1,),
-                     trials=1)
+                     allow=[], trials=1)
         assert sealed.cache[key][1] >= 0.4
         random.seed(0)
         with pytest.raises(AssertionError, match=r"did not finish within"):
             sealed.check(lambda seconds: sleep_then_one(600 * seconds), sleep_then_one, takes(0.4), world_sizes=(1,),
-                         trials=1)
+                         allow=[], trials=1)
     finally:
         student.close()
 
@@ -314,12 +315,13 @@ def test_the_relay_sees_which_calls_overlapped_the_backward_and_a_check_can_ask_
         sealed = Sealed(runner, student, [], [], {}, [])
         for right in ("async", "async_reversed", "async_future"):  # other valid waits keep full marks
             sealed.check(lambda how, sizes: gradients_reduced(right, sizes), gradients_reduced, overlap_inputs("async"),
-                         world_sizes=(2,), trials=1, same_traffic=True, same_overlap=True)
+                         world_sizes=(2,), allow=[], trials=1, same_traffic=True, same_overlap=True)
         for wrong in ("blocking", "last_hook"):  # the right values and traffic, no overlap
             with pytest.raises(AssertionError, match=r"rank 0: 0 of its 4 calls were in flight while the backward "
                                                      r"went on; the reference's 3 of 4"):
                 sealed.check(lambda how, sizes: gradients_reduced(wrong, sizes), gradients_reduced,
-                             overlap_inputs("async"), world_sizes=(2,), trials=1, same_traffic=True, same_overlap=True)
+                             overlap_inputs("async"), world_sizes=(2,), allow=[], trials=1, same_traffic=True,
+                             same_overlap=True)
     finally:
         student.close()
 
@@ -358,11 +360,11 @@ def test_what_only_a_forbidden_function_uses_is_withheld_with_it(runner):
     student = Runner(JudgeConfig())
     try:
         sealed = Sealed(runner, student, [], [], {}, [])
-        sealed.check(ones, ones, lambda r: (3,), world_sizes=(1,), trials=1,
+        sealed.check(ones, ones, lambda r: (3,), world_sizes=(1,), trials=1, allow=[checkpoint],
                      forbid={checkpoint.checkpoint_sequential: "write it"})
         with pytest.raises(Tripwire, match=r"through_the_chain called parakit\.checkpoint\._chain, which only "
                                            r"the parts of parakit this exercise forbids use"):
-            sealed.check(through_the_chain, ones, lambda r: (3,), world_sizes=(1,), trials=1,
+            sealed.check(through_the_chain, ones, lambda r: (3,), world_sizes=(1,), trials=1, allow=[checkpoint],
                          forbid={checkpoint.checkpoint_sequential: "write it"})
     finally:
         student.close()
@@ -394,7 +396,7 @@ def test_in_a_students_rank_the_withheld_answers_code_is_gone_from_memory(runner
     student = Runner(JudgeConfig())
     try:
         sealed = Sealed(runner, student, [], [], {}, [])
-        sealed.check(answer_code_left, nothing_left, lambda r: (0,), world_sizes=(1,), trials=1,
+        sealed.check(answer_code_left, nothing_left, lambda r: (0,), world_sizes=(1,), trials=1, allow=[checkpoint],
                      forbid={checkpoint.checkpoint_sequential: "write it"})
     finally:
         student.close()
@@ -420,9 +422,9 @@ def test_a_cell_gets_ten_times_the_solutions_own_time_at_least_the_floor_so_a_ha
     solution = nbformat.v4.new_notebook(cells=[
         cell("setup", "import time\nfrom parakit import grading\nTWO = [time.sleep(1.0), 2][1]  # the tests use it"),
         cell("answer", "def double(x):\n    return 2 * x", "double"),
-        cell("test", "grading.check_local(double, lambda x: TWO * x, [(3,)])", "test_double", 1),
+        cell("test", "grading.check_local(double, lambda x: TWO * x, [(3,)], allow=[])", "test_double", 1),
         cell("answer", "def triple(x):\n    return 3 * x", "triple"),
-        cell("test", "grading.check_local(triple, lambda x: 3 * x, [(3,)])", "test_triple", 1)])
+        cell("test", "grading.check_local(triple, lambda x: 3 * x, [(3,)], allow=[])", "test_triple", 1)])
     student = nbformat.from_dict(solution)
     student.cells[1].source = "time.sleep(0.3)  # slower, well inside the floor\ndef double(x):\n    return x + x"
     student.cells[3].source = "time.sleep(10**6)  # never returns"

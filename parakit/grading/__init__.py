@@ -20,11 +20,14 @@ process: each side runs on fresh ranks of its own and only plain data comes back
 from __future__ import annotations
 
 import copy
+import dis
+import functools
 import inspect
 import os
 import random
 import sys
 import threading
+import traceback
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,28 +60,28 @@ def check(student: Callable, reference: Callable, make_inputs: Callable, *, worl
     `make_inputs(r)` returns the tuple of arguments for one rank, given an `InputContext`
     `r` (its rank, world size, a generator `r.shared` seeded alike on every rank for shapes,
     and `r.local` seeded per rank for values); both functions get their own deep copy.
-    `forbid` maps forbidden functions to the reason; `allow` names what of parakit the
-    student's code may call (functions, classes, modules: `allow.gated`), and anything else
-    of parakit's it calls trips (None: nothing gated, as the lessons' checks are until each
-    names its allowlist). `same_traffic`: the communication must match too (see the module's
-    docstring); `same_order`: each rank's calls, one by one, in
-    the reference's order, each of the same kind, with the same peer and bytes; `same_overlap`
-    (sealed grading only, where the relay sees it): as many of each rank's calls in flight
-    while its backward went on as the reference's (a blocking call, or one started at the
-    backward's last hook, overlaps nothing). Raises AssertionError (or Tripwire) naming the
-    world size, trial and rank that differ.
+    `forbid` maps forbidden functions to the reason; `allow` names what of parakit the student's
+    code may call (functions, classes, modules: `allow.gated`), and anything else of parakit's
+    it calls trips (every lesson's check names one; None gates nothing here, and the sealed
+    judge refuses to grade it). `same_traffic`: the communication must match too (see the
+    module's docstring); `same_order`: each rank's calls, one by one, in the reference's order,
+    each of the same kind, with the same peer and bytes; `same_overlap` (sealed grading only,
+    where the relay sees it): as many of each rank's calls in flight while its backward went on
+    as the reference's (a blocking call, or one started at the backward's last hook, overlaps
+    nothing). Raises AssertionError (or Tripwire) naming the world size, trial and rank that
+    differ.
     """
     if SEALED:
         return SEALED[0].check(student, reference, make_inputs, world_sizes=world_sizes, trials=trials,
                                forbid=forbid, allow=allow, timeout=timeout, rtol=rtol, atol=atol,
                                same_traffic=same_traffic, same_order=same_order, same_overlap=same_overlap)
-    name = getattr(student, "__name__", "your function")
+    name, cells = getattr(student, "__name__", "your function"), _cells_of(student, reference)
     world_sizes = list(world_sizes)
     for world_size in world_sizes:
         for trial in range(trials):
             seed = random.randrange(2**31)
             try:
-                runs = launcher.launch(_run_pair, student, reference, make_inputs, seed, forbid or {}, allow,
+                runs = launcher.launch(_run_pair, student, reference, make_inputs, seed, forbid or {}, allow, cells,
                                        world_size=world_size, timeout=timeout)
             except launcher.LaunchError as error:
                 raise AssertionError(f"{name} failed on {world_size} ranks (trial {trial + 1}):\n{error}") from None
@@ -104,10 +107,10 @@ def check_local(student: Callable, reference: Callable, cases: Iterable[tuple], 
     if SEALED:
         return SEALED[0].check_local(student, reference, cases, forbid=forbid, allow=allow, rtol=rtol, atol=atol)
     name = getattr(student, "__name__", "your function")
-    cases = list(cases)
+    cases, cells = list(cases), _cells_of(student, reference)
     for case in cases:
         expected = reference(*copy.deepcopy(case))
-        got = _call_guarded(student, copy.deepcopy(case), forbid or {}, allow)
+        got = _call_guarded(student, copy.deepcopy(case), forbid or {}, allow, cells)
         compare_values(got, expected, f"{name}{tuple(case)!r}", rtol, atol)
     if not quiet:
         print(f"passed: {name} matches the reference on {len(cases)} case{'s' if len(cases) > 1 else ''}")
@@ -131,7 +134,7 @@ class InputContext:
         return torch.randn(shape, generator=self.local, dtype=dtype).to(launcher.device())
 
 
-def _run_pair(student, reference, make_inputs, seed, forbid, allow):
+def _run_pair(student, reference, make_inputs, seed, forbid, allow, cells):
     """On one rank: the same inputs to both functions; the student's runs under tripwires.
     Returns (student's result or Tripwire, reference's result, (their Traffic, its Traffic))."""
     import torch.distributed as dist
@@ -144,7 +147,7 @@ def _run_pair(student, reference, make_inputs, seed, forbid, allow):
         expected = reference(*copy.deepcopy(inputs))
     with comm.CommLog() as mine:
         try:
-            got = _call_guarded(student, copy.deepcopy(inputs), forbid, allow)
+            got = _call_guarded(student, copy.deepcopy(inputs), forbid, allow, cells)
         except Tripwire as trip:  # sent back as a value: the message alone says it all
             got = trip
     return got, expected, (Traffic.of(mine), Traffic.of(theirs))
@@ -237,16 +240,16 @@ def _calls(collectives: Counter) -> str:
     return ", ".join(f"{kind} x{n}" for kind, n in sorted(collectives.items())) or "no collective"
 
 
-def _call_guarded(fn, args, forbid: dict[Callable, str], allow: list | None):
+def _call_guarded(fn, args, forbid: dict[Callable, str], allow: list | None, cells: tuple[str, ...]):
     """Call fn(*args); if it reaches any forbidden function, or anything of parakit's that
-    `allow` does not name from the student's own code, raise Tripwire. In a notebook the
-    student's code is the cell that defined `fn` (or the functions a wrapper `fn` holds)."""
+    `allow` does not name from the student's own code (code in the files `cells`: `_cells_of`),
+    raise Tripwire."""
     from parakit.grading import allow as allowing
     codes = {inspect.unwrap(f).__code__: (f, why) for f, why in forbid.items()}
     tripped = []
     name = getattr(fn, "__name__", "your function")
     gate = None if allow is None else allowing.Gate(allowing.gated(allow), allowing.message(name, allow).format,
-                                                    tripped.append, student=_cells_of(fn), trusted=())
+                                                    tripped.append, student=cells, trusted=())
 
     def watch(frame, event, arg):
         if event == "call" and frame.f_code in codes:
@@ -272,19 +275,42 @@ def _call_guarded(fn, args, forbid: dict[Callable, str], allow: list | None):
 _PARAKIT = str(Path(__file__).parents[1]) + os.sep
 
 
-def _cells_of(fn) -> tuple[str, ...]:
-    """The files of the student's code (a notebook's cells; anything outside Python's, the
-    venv's and parakit's folders): fn's, or where fn wraps functions (a test's probe around
-    the student's function), theirs."""
-    held = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if callable(c.cell_contents)]
+def _cells_of(fn, reference) -> tuple[str, ...]:
+    """The files of the student's code in a notebook: the cells that `fn` reaches and the
+    reference does not, except those of the code calling the check now (a test's wrapper
+    around the student's function is the instructor's, as are the helpers both sides use)."""
+    calling = {frame.f_code.co_filename for frame, _ in traceback.walk_stack(None)}
+    return tuple(sorted(_reached(fn) - _reached(reference) - calling)) or ("<no student code>",)
+
+
+def _reached(fn) -> set[str]:
+    """The cells (files outside Python's, the venv's and parakit's folders) of fn's code, of
+    the functions and classes it holds (a closure's, a functools.partial's) and of those its
+    code names as globals: one step, as far as a test's wrapper reaches the answer."""
+    fn = inspect.unwrap(fn)
+    while isinstance(fn, functools.partial):
+        fn = inspect.unwrap(fn.func)
+    code = getattr(fn, "__code__", None)
+    near = [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]
+    if code is not None:
+        names = {i.argval for c in _codes_in(code) for i in dis.get_instructions(c) if i.opname == "LOAD_GLOBAL"}
+        near += [v for n, v in getattr(fn, "__globals__", {}).items() if n in names]
     files = set()
-    for f in held or [fn]:
+    for f in [fn] + [f for f in near if callable(f)]:
         methods = [v for v in vars(f).values() if inspect.isfunction(v)] if inspect.isclass(f) else [f]
         for m in methods:
-            code = getattr(inspect.unwrap(m), "__code__", None)
-            if code is not None and not code.co_filename.startswith((sys.prefix, sys.base_prefix, _PARAKIT)):
-                files.add(code.co_filename)
-    return tuple(files) or ("<no student code>",)
+            file = getattr(getattr(inspect.unwrap(m), "__code__", None), "co_filename", None)
+            if file is not None and not file.startswith((sys.prefix, sys.base_prefix, _PARAKIT)):
+                files.add(file)
+    return files
+
+
+def _codes_in(code):
+    """A code object and the ones nested in it (its lambdas, comprehensions, inner functions)."""
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, type(code)):
+            yield from _codes_in(const)
 
 
 def _trip_message(fn, forbidden, why) -> str:

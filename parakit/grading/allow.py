@@ -83,8 +83,8 @@ def _class_codes(cls, allowed: set, codes: dict) -> None:
 def message(name: str, allow: Iterable) -> str:
     """A trip's text for the student's function `name`, with {} for what it called (`Gate`)."""
     listed = names(allow).replace("{", "{{").replace("}", "}}")
-    return (f"{name} called {{}}, which this exercise does not let your code call (it may call {listed} of "
-            f"parakit's): write that part yourself")
+    return (f"{name} called {{}}, which this exercise does not let your code call (it may call {listed}): write "
+            f"that part yourself")
 
 
 def names(allow: Iterable) -> str:
@@ -93,7 +93,7 @@ def names(allow: Iterable) -> str:
             f"{getattr(a, '__module__', '')}.{getattr(a, '__qualname__', a)}" for a in allow]
     said = [s.removeprefix("parakit.") for s in said]
     more = f" and {len(said) - 12} more" if len(said) > 12 else ""
-    return ", ".join(said[:12]) + more if said else "nothing of parakit's"
+    return ", ".join(said[:12]) + more + " of parakit's" if said else "nothing of parakit's"
 
 
 class Gate:

@@ -149,6 +149,7 @@ class Sealed:
               timeout=60.0, rtol=None, atol=None, same_traffic=False, same_order=False, same_overlap=False) -> None:
         from parakit.grading import Traffic, compare_overlap, compare_traffic, compare_values
         name, forbid = getattr(student, "__name__", "your function"), forbid or {}
+        _refuse_open(name, allow)
         self.references.append(reference)
         for world_size in list(world_sizes):
             for trial in range(trials):
@@ -175,6 +176,7 @@ class Sealed:
     def check_local(self, student, reference, cases, *, forbid=None, allow=None, rtol=None, atol=None) -> None:
         from parakit.grading import compare_values
         name, forbid, cases = getattr(student, "__name__", "your function"), forbid or {}, list(cases)
+        _refuse_open(name, allow)
         self.references.append(reference)
         jobs = self._jobs(cloudpickle.dumps((student, cases)), cloudpickle.dumps((reference, cases)), True, forbid,
                           allow, name)
@@ -190,6 +192,14 @@ class Sealed:
             got = outcome(got)
             _raise_error(got, where)
             compare_values(got["value"], expected["value"], where, rtol, atol)
+
+
+def _refuse_open(name: str, allow) -> None:
+    """A check that names no allowlist is not graded (it would grade open: any of parakit's
+    finished answers could stand in for the student's)."""
+    if allow is None:
+        raise AssertionError(f"{name}: this exercise names no allowlist, so it is not graded: pass allow=[...] to its "
+                             f"check (what of parakit the student's code may call; [] for nothing)")
 
 
 def _where(fn) -> str:

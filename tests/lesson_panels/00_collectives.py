@@ -105,6 +105,12 @@ LISTS = """def all_reduce_two_phase(tensor):
     return tensor
 """
 
+# The ring's bytes from ZeRO's stage-0 formula (2 (N-1)/N of the bytes): a general helper that
+# nothing withholds; the exercise's allowlist does not name it.
+ZERO_FORMULA = ("def ring_bytes_per_rank(nbytes, world_size):\n    from parakit.zero import paper\n"
+                "    return paper.zero_comm_bytes(nbytes, world_size, 0, element_bytes=1)\n")
+
+
 def students(lesson: Path, solution: Path) -> list[panel.Student]:
     """Lesson 00. The cheater hard-codes the byte counts, sums through rank 0 with send/recv
     instead of a ring, and uses reduce + broadcast for the two-phase exercise (each 0, the
@@ -152,6 +158,8 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
                panel.Student("rank_fails", {name: panel.with_sources(full, rank_fails)},
                              {**pts, "test_ring_all_reduce": 0.0, "test_all_reduce_two_phase": 0.0,
                               "test_ring_bytes_per_rank": 0.0}),
+               panel.Student("general_helper", {name: panel.with_sources(full, {"ring_bytes_per_rank": ZERO_FORMULA})},
+                             {**pts, "test_ring_bytes_per_rank": 0.0}),
                panel.Student("chain_ring", {name: panel.with_sources(
                    full, {"ring_all_reduce": CHAIN, "all_reduce_two_phase": GATHER_AND_SUM})}, {}),
                panel.Student("whole_tensor_ring", {name: panel.with_sources(

@@ -227,6 +227,15 @@ W_BY_POSITION = '''def place_weight_passes(order, p, rank):
 '''
 
 
+# 1F1B's order from parakit's zero-bubble filler run with 1F1B's caps (p - r stage-micro-batches
+# held on rank r), its W's dropped: a general helper, not withheld; the allowlist does not name it.
+FILLER_WITH_1F1B_CAPS = """def one_f_one_b_order(p, m, rank):
+    from parakit.pipeline import schedules
+    orders = schedules._fill_bubbles(p, m, 1, "loop", [p - r for r in range(p)])
+    return [(a.op.name, a.microbatch) for a in orders[rank] if a.op.name != "W"]
+"""
+
+
 def students(lesson: Path, solution: Path) -> list[panel.Student]:
     """Lesson 04. The hard-coder's 1F1B order knows only p = 2 and 4, its stage ignores
     loss_fn (always the squared error), so does its GPipe step, its bubble is a table of the visible cases and its W
@@ -293,6 +302,8 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
                student("wrong_techniques_2", {"gpipe_step": ONE_F_ONE_B_AS_GPIPE, "bubble_fraction": IGNORES_CHUNKS,
                                               "place_weight_passes": W_AT_THE_END},
                        ["test_gpipe_step", "test_bubble_fraction", "test_place_weight_passes"]),
+               student("general_helper", {"one_f_one_b_order": FILLER_WITH_1F1B_CAPS},
+                       panel.exercises(panel.load(lesson))["one_f_one_b_order"]),
                student("right_another_way", {"one_f_one_b_order": ORDER_BY_COUNTERS, "stage_step": STAGE_WITH_ISEND,
                                              "gpipe_step": GPIPE_BACKWARDS_REVERSED, "bubble_fraction": IDLE_OVER_STEP,
                                              "place_weight_passes": W_BY_POSITION})])

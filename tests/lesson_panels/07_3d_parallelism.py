@@ -146,6 +146,18 @@ HSDP_BORROWED = """def hsdp_reduce(grad_flat, shard_group, replicate_group):
 """
 
 
+# Both group builders from parakit's general grid helper (used by parakit.mesh, so nothing
+# withholds it): the exercises' allowlists do not name it, so each scores 0.
+GRID_GROUPS = {
+    "cube_groups": "def cube_groups(q):\n    from parakit import groups\n"
+                   "    return {axis: sorted(groups.grid_groups((q, q, q), [i]))\n"
+                   "            for i, axis in enumerate(('weight', 'input', 'output'))}\n",
+    "mesh_groups": "def mesh_groups(dp, pp, tp):\n    from parakit import groups\n"
+                   "    return {kind: sorted(groups.grid_groups((dp, pp, tp), [axis]))\n"
+                   "            for axis, kind in enumerate(('dp', 'pp', 'tp'))}\n",
+}
+
+
 def students(lesson: Path, solution: Path) -> list[panel.Student]:
     """Lesson 07. The hard-coder's cube and mesh groups are tables of the visible cases, and
     its forward and backward use the "input" and "output" axes by name, so they pass on the
@@ -206,6 +218,9 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
                    "linear3d_backward": DA_FIRST, "mesh_groups": MESH_BY_TENSOR,
                    "hsdp_reduce": HSDP_LIST_FORM})}, dict(pts)),
     ]
+    groups = panel.exercises(panel.load(lesson))
+    techniques.append(panel.Student("general_helper", {lesson.name: panel.with_sources(full, GRID_GROUPS)},
+                                    {**pts, **{t: 0.0 for a in GRID_GROUPS for t in groups[a]}}))
     return panel.standard_panel(
         lesson, solution, hang_in="cube_groups", crash_in="mesh_groups",
         hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0), borrowed=borrowed, extra=techniques)
