@@ -53,6 +53,9 @@ def own_count(nbytes):
 def plain(nbytes):
     return 2 * 3 * nbytes // 4
 
+def squares(x):
+    return (x * x).sin().sum()
+
 def through_checkpoint(x):
     """An allowed function whose autograd Function's backward the engine runs (not the student's call)."""
     x = x.clone().requires_grad_()
@@ -61,9 +64,9 @@ def through_checkpoint(x):
 '''
 answers = {"__name__": "answers"}  # not importable: cloudpickle sends its functions by value
 exec(compile(CELL, "/tmp/ipykernel_0/answers.py", "exec"), answers)
-ring_bytes, by_partial, by_import, by_map, by_torch, by_caught_trip, own_count, plain, through_checkpoint = (
+ring_bytes, by_partial, by_import, by_map, by_torch, by_caught_trip, own_count, plain, squares, through_checkpoint = (
     answers[n] for n in ("ring_bytes", "by_partial", "by_import", "by_map", "by_torch", "by_caught_trip", "own_count",
-                         "plain", "through_checkpoint"))
+                         "plain", "squares", "through_checkpoint"))
 # ... and a read-only cell of the instructor's helpers, which both the test and the reference call
 helpers = {"__name__": "helpers", "comm": comm}
 exec(compile("def logged(fn, nbytes):\n    with comm.CommLog() as log:\n        out = fn(nbytes)\n"
@@ -128,6 +131,21 @@ def test_in_a_notebook_the_tests_wrappers_and_the_helpers_the_reference_uses_are
         with pytest.raises(Tripwire, match=r"called parakit\.comm\.ring_bytes, which this exercise does not let your "
                                            r"code call \(it may call nothing of parakit's\): write that part yourself"):
             grading.check_local(wrapped, reference, CASES, allow=[], quiet=True)
+
+
+def counted(fn):
+    """A test's probe whose saved-tensor hooks (parakit's ledger) torch runs inside the student's ops."""
+    def run(x):
+        x = x.clone().requires_grad_()
+        with checkpoint.counting_saved() as ledger:
+            fn(x).backward()
+        return x.grad, ledger.peak
+    return run
+
+
+def test_a_tests_probe_that_torch_runs_inside_the_students_ops_is_not_the_students_call():
+    grading.check_local(counted(squares), counted(lambda x: (x * x).sin().sum()), [(torch.randn(6),)], allow=[],
+                        quiet=True)
 
 
 def test_a_distributed_check_gates_the_students_call_on_every_rank():

@@ -9,10 +9,11 @@ instructor's (a setup or test cell) or parakit's own source. Frames of torch, th
 library and generated code (a dataclass's `__init__`) are passed over, so a helper reached
 through `functools.partial`, `map`, `getattr` or a torch function that takes a callable is
 still the student's call. The student's call trips; parakit calling its own helpers, the
-instructor's code calling parakit, and the autograd engine running a backward that parakit's
-code put in the graph do not. Forbidding (`forbid`) still wins over allowing. What the device
-emulation, the grading package and `parakit.devices` define is never gated: they are the
-machine the code runs on, not helpers.
+instructor's code calling parakit, the autograd engine running a backward that parakit's
+code put in the graph, and torch calling a test's probe inside the student's op (a dispatch
+mode's handler, a saved-tensor hook in force) do not. Forbidding (`forbid`) still wins over
+allowing. What the device emulation, the grading package and `parakit.devices` define is
+never gated: they are the machine the code runs on, not helpers.
 
 A trip is reported (`notify`, to the judge) before it raises `Tripwire` in the call, so a
 student who catches it keeps nothing. From then on the student's code may not make code that
@@ -96,6 +97,17 @@ def names(allow: Iterable) -> str:
     return ", ".join(said[:12]) + more + " of parakit's" if said else "nothing of parakit's"
 
 
+def _torch_calls(code) -> bool:
+    """Whether torch, not the student's code, calls `code` inside one of the student's ops: a
+    dispatch mode's or tensor subclass's handler, or a saved-tensor hook in force (a test's probe
+    counting what the student's ops allocate or save)."""
+    import torch
+    if code.co_name in ("__torch_dispatch__", "__torch_function__"):
+        return True
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False) or ()
+    return any(getattr(getattr(hook, "__func__", hook), "__code__", None) is code for hook in hooks)
+
+
 class Gate:
     """The watch over one student's calls (see the module's docstring). `codes`: gated();
     `message(name)`: a trip's text; `student`, `trusted`: file-name prefixes of the student's
@@ -129,7 +141,8 @@ class Gate:
         codes, owner, trip = self.codes, self.owner, self.trip
 
         def watch(frame, event, arg):
-            if event == "call" and frame.f_code in codes and owner(frame.f_back) == "student":
+            if event == "call" and frame.f_code in codes and owner(frame.f_back) == "student" and \
+                    not _torch_calls(frame.f_code):
                 trip(codes[frame.f_code])
         return watch
 
