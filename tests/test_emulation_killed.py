@@ -230,7 +230,8 @@ def test_launch_reports_a_rank_killed_mid_collective_with_where_the_others_wait_
         waiting = call["error"].split("while the other ranks waited:\n", 1)[1]
         for rank in set(range(size)) - {victim}:
             assert f"  rank {rank} waits in all_reduce #1 for " in waiting
-        assert len(re.findall(r":\d+ in killed_mid_collective$", waiting, re.M)) == size - 1  # its line, the last
+        # its line, the last, with its source (the function's code keeps its file on the way to the ranks)
+        assert len(re.findall(r":\d+ in killed_mid_collective: dist\.all_reduce\(x\)$", waiting, re.M)) == size - 1
         assert "parakit/emulation" not in waiting  # the emulated NCCL's frames left out, as torch's are
         assert call["failed"] == [victim] and call["generation"] is None and call["alive"] == []  # the pool stopped
         assert call["next"] == list(range(size))  # and the next call starts a new one
