@@ -2,6 +2,7 @@
 the caller, in a notebook's checks (real gloo ranks) and in the sealed judge's locked ranks."""
 from __future__ import annotations
 
+import functools
 import sys
 
 import cloudpickle
@@ -127,7 +128,10 @@ def test_in_a_notebook_the_tests_wrappers_and_the_helpers_the_reference_uses_are
     """What parakit a test's probe or a helper cell calls is not the student's call; the answer's own call is."""
     grading.check_local(observed(plain), observed(reference_bytes), CASES, allow=[], quiet=True)
     grading.check_local(plain_logged, reference_logged, CASES, allow=[], quiet=True)
-    for wrapped, reference in ((observed(ring_bytes), observed(reference_bytes)), (ring_bytes_logged, reference_logged)):
+    grading.check_local(functools.partial(logged, plain), functools.partial(logged, reference_bytes), CASES, allow=[],
+                        quiet=True)
+    for wrapped, reference in ((observed(ring_bytes), observed(reference_bytes)), (ring_bytes_logged, reference_logged),
+                               (functools.partial(logged, ring_bytes), functools.partial(logged, reference_bytes))):
         with pytest.raises(Tripwire, match=r"called parakit\.comm\.ring_bytes, which this exercise does not let your "
                                            r"code call \(it may call nothing of parakit's\): write that part yourself"):
             grading.check_local(wrapped, reference, CASES, allow=[], quiet=True)

@@ -287,11 +287,12 @@ def _reached(fn) -> set[str]:
     """The cells (files outside Python's, the venv's and parakit's folders) of fn's code, of
     the functions and classes it holds (a closure's, a functools.partial's) and of those its
     code names as globals: one step, as far as a test's wrapper reaches the answer."""
-    fn = inspect.unwrap(fn)
+    fn, near = inspect.unwrap(fn), []
     while isinstance(fn, functools.partial):
+        near += [*fn.args, *fn.keywords.values()]
         fn = inspect.unwrap(fn.func)
     code = getattr(fn, "__code__", None)
-    near = [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]
+    near += [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]
     if code is not None:
         names = {i.argval for c in _codes_in(code) for i in dis.get_instructions(c) if i.opname == "LOAD_GLOBAL"}
         near += [v for n, v in getattr(fn, "__globals__", {}).items() if n in names]
