@@ -106,6 +106,8 @@ def lock(scratch: str, hidden: list[str], profilers: frozenset = frozenset()) ->
             raise Refused(f"a graded process may not look into other processes: {real}")
 
     def hook(event, args):
+        if event == "object.__getattr__":  # a frame's f_code, read at each call the gate watches: nothing refused
+            return
         if getattr(busy, "on", False):
             return
         busy.on = True

@@ -143,7 +143,7 @@ class Sealed:
         gate = b"" if allowed is None else cloudpickle.dumps((list(allowed), allow.message(name, allowed)))
         student = sandbox.Job(call_student, local, self.cells, cloudpickle.dumps(withheld), True, self.hidden,
                               allow=gate)
-        return student, sandbox.Job(call_reference, local)
+        return student, sandbox.Job(call_reference, local, allow=gate)
 
     def check(self, student, reference, make_inputs, *, world_sizes=(2, 4), trials=2, forbid=None, allow=None,
               timeout=60.0, rtol=None, atol=None, same_traffic=False, same_order=False, same_overlap=False) -> None:
