@@ -177,6 +177,21 @@ class EmulatedNotebooks:
             self.set = []
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist names each test's group in its id
+def pytest_collection_modifyitems(config, items):
+    """The two pytest processes take the work a group at a time (-n 2 --dist loadgroup): a test
+    file, or a notebook's cells, is a group (its module fixtures and a notebook's kernel stay in
+    one process), except that test_pipeline.py is one group per lesson it grades (each lesson's
+    panel, its `built` and `graded` fixtures, is graded once, in one process). Those groups, the
+    longest, go first, so that neither process is left alone with one at the end."""
+    def group(item) -> str:
+        built = item.callspec.params.get("built") if hasattr(item, "callspec") else None
+        return f"{item.path.name}::{built.name}" if built is not None else item.path.name
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    items.sort(key=lambda item: "::" not in group(item))
+
+
 def pytest_configure(config):
     config.pluginmanager.register(EmulatedNotebooks(), "emulated-notebooks")
 
