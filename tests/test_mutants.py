@@ -261,6 +261,19 @@ def test_a_helper_is_student_code_it_never_imports_parakit():
 
 # ---------------------------------------------------------------------------- the command, graded
 
+def test_every_mutant_of_the_course_catalog_builds_on_the_solutions_as_they_are():
+    """The committed catalog (autograde/mutants.toml) against today's solutions: a hand mutant
+    whose old text an edit of its answer cell moved, or that no longer compiles, is named
+    here, not first in a long mutation run."""
+    import nbformat
+    import tomllib
+    catalog = tomllib.loads((REPO / "autograde" / "mutants.toml").read_text())
+    built = {lesson: mutants.build(lesson, nbformat.read(REPO / "solutions" / f"{lesson}.ipynb", as_version=4), catalog)
+             for lesson in sorted({entry["lesson"] for entry in catalog["hand"]})}
+    assert [f"{m.lesson} {m.student}: {m.problem}" for ms in built.values() for m in ms if m.problem] == []
+    assert sum(len(ms) for ms in built.values()) >= len(catalog["hand"])
+
+
 CATALOG = '''
 [[hand]]
 lesson = "mutable"
