@@ -177,19 +177,33 @@ class EmulatedNotebooks:
             self.set = []
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist names each test's group in its id
+def _scope(nodeid: str) -> str:
+    """What one of the two pytest processes runs whole (-n 2 --dist loadscope): a test file, or
+    a notebook's cells, so that a file's module fixtures and a notebook's kernel stay in one
+    process; in test_pipeline.py, the tests of one lesson (its `built` and `graded` fixtures,
+    the lesson's graded panel, are made once, in one process)."""
+    path, _, test = nodeid.partition("::")
+    if path.endswith("test_pipeline.py") and test.endswith("]"):
+        return f"{path}::{test[test.index('[') + 1:-1]}"
+    return path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduler with `_scope`'s scopes, taken in the order collected (the lessons
+    first: `pytest_collection_modifyitems`)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByLesson(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+    return ByLesson(config, log) if config.getvalue("dist") == "loadscope" else None
+
+
 def pytest_collection_modifyitems(config, items):
-    """The two pytest processes take the work a group at a time (-n 2 --dist loadgroup): a test
-    file, or a notebook's cells, is a group (its module fixtures and a notebook's kernel stay in
-    one process), except that test_pipeline.py is one group per lesson it grades (each lesson's
-    panel, its `built` and `graded` fixtures, is graded once, in one process). Those groups, the
-    longest, go first, so that neither process is left alone with one at the end."""
-    def group(item) -> str:
-        built = item.callspec.params.get("built") if hasattr(item, "callspec") else None
-        return f"{item.path.name}::{built.name}" if built is not None else item.path.name
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
-    items.sort(key=lambda item: "::" not in group(item))
+    """test_pipeline.py's lessons, the longest scopes, first, so that neither process is left
+    alone with one at the end."""
+    items.sort(key=lambda item: "::" not in _scope(item.nodeid))
 
 
 def pytest_configure(config):

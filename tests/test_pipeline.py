@@ -44,7 +44,7 @@ def toy_panel(lesson: Path, solution: Path) -> list[panel.Student]:
 
 TOY = pytest.param(panel.Lesson(FIXTURES / "toy.ipynb", toy_panel, timeout=15), id="toy")  # its kernel imports torch
 ON_TOY_ONLY = pytest.mark.parametrize("built", [TOY], indirect=True)  # tests of the machinery itself
-ON_00_ONLY = pytest.mark.parametrize("built", [lesson for lesson in panel.course_lessons()
+ON_00_ONLY = pytest.mark.parametrize("built", [pytest.param(lesson, id=lesson.name) for lesson in panel.course_lessons()
                                                if lesson.name == "00_collectives"], indirect=True)
 LESSONS = [TOY] + [pytest.param(lesson, id=lesson.name) for lesson in panel.course_lessons()]
 
