@@ -49,6 +49,7 @@ from parakit.grading import isolation
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+INTERRUPTED: list[int] = []  # the signals that asked this run to stop (see interrupt)
 
 
 def prepare_environment() -> None:
@@ -437,6 +438,8 @@ def grade(submissions: Path, out: Path | None = None, root: Path = HERE,
         done.update({_key(t): stopped(t) for t in tasks if not force and _key(t) not in done and Path(t.started).exists()})
 
         def finished(result: Result) -> None:
+            if INTERRUPTED:  # graded while the run was stopping (its ranks had the signal too): not kept
+                raise KeyboardInterrupt  # again: the first may have been swallowed, raised in a finalizer
             result.notes += strays.get((result.student, result.assignment), [])
             if unsealed and not any(n.startswith("NOT SEALED") for n in result.private):
                 result.private.append(f"NOT SEALED: {unsealed}")
@@ -670,7 +673,8 @@ def main(argv: list[str] | None = None) -> int:
         problems = validate(args.solutions, args.lessons, timeout=args.timeout)
         print("\n".join(problems) if problems else "solutions pass, untouched lessons fail: ok")
         return 1 if problems else 0
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill is an interrupt: no notebook is blamed
+    for number in (signal.SIGINT, signal.SIGTERM):  # a kill is an interrupt: no notebook is blamed
+        signal.signal(number, interrupt)
     try:
         grade(args.submissions, out=args.out, root=args.root, solutions=args.solutions, timeout=args.timeout,
               jobs=args.jobs, in_kernel=args.in_kernel, lessons=args.lesson, students=args.student, force=args.force)
@@ -678,6 +682,14 @@ def main(argv: list[str] | None = None) -> int:
         print("grading stopped: the next `grade` resumes, keeping what this run graded", file=sys.stderr)
         return 130
     return 0
+
+
+def interrupt(number, frame) -> None:
+    """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and remember it. Python drops an exception
+    raised inside a finalizer ("Exception ignored in ..."), so the grade loop also stops at the
+    next notebook it finishes when INTERRUPTED is set."""
+    INTERRUPTED.append(number)
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -365,12 +365,16 @@ def test_a_grade_run_killed_midway_loses_nothing_graded_and_the_next_run_resumes
     out = tmp_path / "out"
     args = ["--solutions", str(built.solutions), "grade", str(folder), "--root", str(graded.root),
             "--timeout", str(built.lesson.timeout), "--out", str(out)]
-    command = subprocess.Popen([sys.executable, "-m", "autograde.course", *args], **on_the_copy(), text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, process_group=0)
-    first = command.stdout.readline()
-    os.killpg(command.pid, signal.SIGTERM)
-    command.wait()
-    assert (out / "journal" / "unfinished").exists() and not (out / "grades.csv").exists()
+    with open(tmp_path / "stderr", "w") as stderr:
+        command = subprocess.Popen([sys.executable, "-m", "autograde.course", *args], **on_the_copy(), text=True,
+                                   stdout=subprocess.PIPE, stderr=stderr, process_group=0)
+        first = command.stdout.readline()
+        os.killpg(command.pid, signal.SIGTERM)
+        rest = command.stdout.read()
+        command.wait()
+    said = f"first line {first!r}, then {rest[:500]!r}; stderr {(tmp_path / 'stderr').read_text()[-1500:]}"
+    assert command.returncode == 130, said
+    assert (out / "journal" / "unfinished").exists() and not (out / "grades.csv").exists(), said
     assert list((out / "journal").glob("*.started")) == []
     again = run_course(*args)
     assert again.returncode == 0, again.stdout + again.stderr
