@@ -184,13 +184,11 @@ def generate(lessons: Path, solutions: Path, check: bool = False) -> list[str]:
 
 # ---------------------------------------------------------------------------- validate
 
-def validate(solutions: Path, lessons: Path, timeout: int | None = None, untouched: bool = True) -> list[str]:
-    """Every solution passes its tests; every untouched lesson fails all of its tests (with
-    `untouched`: each runs whole once more)."""
+def validate(solutions: Path, lessons: Path, timeout: int | None = None) -> list[str]:
+    """Every solution passes its tests; every untouched lesson fails all of its tests."""
     course, problems = Course(solutions=solutions, timeout=timeout), []
     for name in course.assignments():
-        runs = [(solutions / f"{name}.ipynb", False)] + ([(lessons / f"{name}.ipynb", True)] if untouched else [])
-        for path, invert in runs:
+        for path, invert in [(solutions / f"{name}.ipynb", False), (lessons / f"{name}.ipynb", True)]:
             if not path.exists():
                 problems.append(f"{path} is missing")
                 continue
