@@ -8,7 +8,8 @@ from conftest import REPO
 GATHERS_GRADIENTS = """def zero1_step(params, owners, optimizer):
     n = dist.get_world_size()
     if not hasattr(optimizer, "everything"):   # one optimizer over every parameter, kept between steps
-        optimizer.everything = type(optimizer)(params, **optimizer.defaults)
+        optimizer.everything = type(optimizer)(params)
+        optimizer.everything.param_groups[0].update(optimizer.defaults)
     with torch.no_grad():
         for p in params:   # every rank gets every gradient, and averages them itself
             every = torch.empty(n * p.numel(), device=p.device)
