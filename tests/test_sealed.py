@@ -107,7 +107,8 @@ def test_relay_names_ranks_in_different_collectives_at_once(runner):
         x = torch.ones(1)
         dist.all_reduce(x) if dist.get_rank() == 0 else dist.broadcast(x, 0)
     result = run(runner, mismatched)
-    assert result.failure == "the ranks called different collectives at the same step: rank 0 all_reduce, rank 1 broadcast"
+    assert result.failure.startswith("collective mismatch on group (0, 1): its call #1 is all_reduce on rank 0, "
+                                     "broadcast on rank 1.")
 
 
 def test_relay_reports_a_rank_waiting_on_one_that_returned(runner):
@@ -115,14 +116,63 @@ def test_relay_reports_a_rank_waiting_on_one_that_returned(runner):
         if dist.get_rank() == 1:
             dist.recv(torch.empty(1), 0)
     result = run(runner, waits)
-    assert result.failure == "rank 1 waits in recv from rank 0, but rank 0 has already returned or died"
+    # which of the two sees it first depends on whether rank 0's result or its hang-up comes first
+    assert result.failure == "rank 1 waits in recv from rank 0, but rank 0 has already returned or died" \
+        or "rank 1 waits for its recv from rank 0" in result.failure and "rank 0 has left the launched" in result.failure
 
 
 def test_relay_reports_ranks_waiting_on_each_other_as_a_deadlock(runner):
     def both_receive():
         dist.recv(torch.empty(1), 1 - dist.get_rank())
     result = run(runner, both_receive, timeout=30)
-    assert result.failure == "deadlock: rank 0 waits in recv from rank 1; rank 1 waits in recv from rank 0"
+    assert result.failure.startswith("emulated NCCL: ranks 0, 1 wait for operations that can never run")
+    assert "rank 0 waits for its recv from rank 1\n  rank 1 waits for its recv from rank 0" in result.failure
+
+
+def ring(batched):
+    """Each rank's block to the next rank and the previous one's received, posted together or apart."""
+    def shift():
+        rank, n = dist.get_rank(), dist.get_world_size()
+        mine, theirs = torch.full((2,), float(rank)), torch.empty(2)
+        if batched:
+            ops = [dist.P2POp(dist.isend, mine, (rank + 1) % n), dist.P2POp(dist.irecv, theirs, (rank - 1) % n)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        else:
+            work = dist.isend(mine, (rank + 1) % n)
+            dist.recv(theirs, (rank - 1) % n)
+            work.wait()
+        return theirs
+    return shift
+
+
+def test_relay_runs_a_ring_by_nccls_rules_batched_it_runs_posted_apart_it_hangs(runner):
+    result = run(runner, ring(batched=True), world_size=3)
+    assert result.failure is None
+    assert [v[0]["value"].tolist() for v in result.values] == [[2.0] * 2, [0.0] * 2, [1.0] * 2]
+    assert [[(c.op, c.peer, c.batch) for c in r] for r in result.calls] == [
+        [("send", 1, 0), ("recv", 2, 0)], [("send", 2, 0), ("recv", 0, 0)], [("send", 0, 0), ("recv", 1, 0)]]
+    # gloo runs it (the send is buffered); under NCCL every send waits for its receive, posted after it
+    result = run(runner, ring(batched=False), world_size=3)
+    assert result.failure.startswith("emulated NCCL: ranks 0, 1, 2 wait for operations that can never run")
+    assert "rank 0's stream on group (0, 1, 2) runs, in order: send to rank 1, recv from rank 2" in result.failure
+    assert all(c.batch is None for r in result.calls for c in r)
+
+
+def test_relay_runs_blocking_sends_and_receives_in_an_order_that_meets(runner):
+    def parity():
+        rank, n = dist.get_rank(), dist.get_world_size()
+        mine, theirs = torch.full((2,), float(rank)), torch.empty(2)
+        if rank % 2 == 0:
+            dist.send(mine, (rank + 1) % n)
+            dist.recv(theirs, (rank - 1) % n)
+        else:
+            dist.recv(theirs, (rank - 1) % n)
+            dist.send(mine, (rank + 1) % n)
+        return theirs
+    result = run(runner, parity, world_size=4)
+    assert result.failure is None
+    assert [v[0]["value"][0].item() for v in result.values] == [3.0, 0.0, 1.0, 2.0]
 
 
 # ---------------------------------------------------------------------------- jail and withheld functions

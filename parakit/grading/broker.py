@@ -1,11 +1,17 @@
 """The judge's end of the relay: every message of a sealed run's ranks comes here.
 
 The `Broker` listens on a Unix socket for the ranks of one run, each proving its rank with
-a token. It matches their requests (a send with its recv, the n-th collective of a group
-on every member), computes each collective itself, answers each rank with the bytes of its
-outputs, and keeps, per rank, the list of calls it made (`Call`). Calls that cannot all
-complete end the run with the reason: ranks in different collectives, a rank waiting on
-one that has returned or died, or every live rank waiting, idle, on the others.
+a token. It runs their requests by NCCL's rules (`parakit.emulation.streams`, one stream per
+group, as NCCL's communicators with device_id given): a rank's calls on a group run in the
+order it posted them, a collective when every member has reached it, a send only with its
+receive (the n-th send from one rank to another on a group with the n-th receive), and a
+`batch_isend_irecv` as one batch whose parts match one by one. It computes each collective
+itself, answers each rank with the bytes of its outputs when its call has run, and keeps,
+per rank, the list of calls it made (`Call`, a batch's parts marked with its number). Calls
+that cannot all run end the run with the reason: ranks in different collectives, ranks
+waiting on each other in an order NCCL would hang in (a ring whose sends and receives are
+posted apart), a rank waiting on one that has returned or died, or every live rank
+waiting, idle, on the others.
 
     broker = Broker(path, tokens); broker.serve(done, idle_ranks); broker.calls[rank] -> [Call, ...]
 """
@@ -14,12 +20,13 @@ from __future__ import annotations
 import selectors
 import socket
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 
 from parakit import comm
+from parakit.emulation.streams import Entry, Item, Streams
 from parakit.grading.codec import (DTYPES, MAX_PAYLOAD, CodecError, recv_frame, send_frame, tensor_bytes, tensor_from,
                                   tensor_meta)
 
@@ -42,6 +49,7 @@ class Call:
     root: int | None
     nbytes: int
     wire_bytes: int
+    batch: int | None = None  # the number of the rank's batch_isend_irecv it was posted in (0, 1, ...)
 
 
 @dataclass
@@ -50,6 +58,7 @@ class _Request:
     rid: int
     header: dict
     inputs: list[torch.Tensor]
+    item: Item | None = None
 
 
 class Broker:
@@ -73,11 +82,15 @@ class Broker:
         self.failure: str | None = None
         self.gone: set[int] = set()
         self._socks: dict[int, socket.socket] = {}
-        self._mail: dict[tuple, deque] = defaultdict(deque)   # (src, dst, tag) -> sent payloads
-        self._wanted: dict[tuple, deque] = defaultdict(deque)  # (src, dst, tag) -> waiting recvs
-        self._slots: dict[tuple, dict[int, _Request]] = {}      # (ranks, n) -> member -> request
-        self._seq: dict[tuple, int] = defaultdict(int)          # (rank, ranks) -> collectives made
-        self._waiting: dict[int, dict[int, tuple]] = defaultdict(dict)  # rank -> request id -> (what, key)
+        self.streams = Streams(len(tokens))
+        self._made: dict[tuple, int] = defaultdict(int)          # (rank, comm, kind, peer) -> calls made
+        self._posted: dict[tuple, _Request] = {}                 # (rank, item key) -> request not yet run
+        self._entries: dict[int, dict[int, int]] = defaultdict(dict)  # rank -> request id -> its entry's id
+        self._parts: dict[tuple, list[_Request]] = defaultdict(list)  # (rank, entry id) -> its requests, in order
+        self._batch: dict[int, Entry] = {}                       # rank -> its batch being posted
+        self._batches: dict[int, int] = defaultdict(int)         # rank -> batches begun
+        self._ran: dict[tuple, dict[int, _Request]] = defaultdict(dict)  # item key -> party -> request run
+        self._waiting: dict[int, dict[int, _Request]] = defaultdict(dict)  # rank -> request id -> request
         self._events: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # rank -> (call index or -1, request id, node)
         self._call_of: dict[int, dict[int, int]] = defaultdict(dict)  # rank -> request id -> its index in calls[rank]
         self.last_activity = time.monotonic()
@@ -142,13 +155,20 @@ class Broker:
         if "result" in header:
             if rank not in self.results:
                 self.results[rank] = (header["result"], payload)
+                self._apply(self.streams.idle(rank, True, 0))  # it posts nothing more
+            return
+        if "batch" in header:
+            self._on_batch(rank, header["batch"])
             return
         if "note" in header:
             if len(self.notes[rank]) < MAX_NOTES:
                 self.notes[rank].append(str(header["note"])[:2000])
             return
         if "wait" in header:
-            self._events[rank].append((-1, int(header["wait"]), int(header.get("node", 0))))
+            rid = int(header["wait"])
+            self._events[rank].append((-1, rid, int(header.get("node", 0))))
+            if rid in self._entries[rank]:
+                self._apply(self.streams.wait(rank, self._entries[rank][rid]))
             return
         inputs, start = [], 0
         for meta in header["inputs"]:
@@ -160,17 +180,12 @@ class Broker:
         if rank not in ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
             raise ValueError(f"group {list(ranks)} does not hold rank {rank}")
         op = header["op"]
+        if op not in _COLLECTIVES and op not in ("send", "recv"):
+            raise ValueError(f"unknown op {op!r}")
         self._call_of[rank][request.rid] = len(self.calls[rank])
         self._events[rank].append((len(self.calls[rank]), request.rid, int(header.get("node", 0))))
         self._record(rank, op, ranks, header, inputs)
-        if op == "send":
-            self._send(request, int(header["peer"]), int(header.get("tag", 0)))
-        elif op == "recv":
-            self._recv(request, int(header["peer"]), int(header.get("tag", 0)))
-        elif op in _COLLECTIVES:
-            self._join(request, ranks)
-        else:
-            raise ValueError(f"unknown op {op!r}")
+        self._post(request, ranks)
 
     def _record(self, rank, op, ranks, header, inputs) -> None:
         nbytes = sum(t.numel() * t.element_size() for t in inputs)
@@ -182,7 +197,8 @@ class Broker:
         root = header.get("root")
         peer = header.get("peer")
         model = comm.ring_bytes(op, nbytes, n, me, root)
-        self.calls[rank].append(Call(op, ranks, peer, root, nbytes, model))
+        batch = self._batches[rank] - 1 if rank in self._batch else None
+        self.calls[rank].append(Call(op, ranks, peer, root, nbytes, model, batch))
 
     def overlapped(self, rank: int) -> list[bool]:
         """For each call of `rank`: whether its backward went on while it was in flight, that
@@ -208,50 +224,87 @@ class Broker:
                 flags[index] = reached[position] <= first_wait.get(rid, len(events) - 1)
         return flags
 
-    # -- point to point
-    def _send(self, request: _Request, dst: int, tag: int) -> None:
-        key = (request.rank, dst, tag)
-        self._answer(request, [])
-        if self._wanted[key]:
-            self._deliver(self._wanted[key].popleft(), request.inputs)
+    # -- posting and running, by NCCL's rules
+    def _post(self, request: _Request, ranks: tuple) -> None:
+        """Put `request` on its rank's stream of its group (in the open batch, if one is)."""
+        rank, op, comm_key = request.rank, request.header["op"], (ranks, "all")
+        if op in ("send", "recv"):
+            peer = int(request.header["peer"])
+            if peer == rank or peer not in ranks:
+                raise ValueError(f"rank {rank}'s {op} names rank {peer}, not another rank of group {list(ranks)}")
+            src, dst = (rank, peer) if op == "send" else (peer, rank)
+            n = self._count(rank, comm_key, op, peer)
+            what = f"send to rank {peer}" if op == "send" else f"recv from rank {peer}"
+            request.item = Item((comm_key, "p2p", src, dst, n), (src, dst), what)
         else:
-            self._mail[key].append(request.inputs)
-
-    def _recv(self, request: _Request, src: int, tag: int) -> None:
-        key = (src, request.rank, tag)
-        if self._mail[key]:
-            self._deliver(request, self._mail[key].popleft())
-        else:
-            self._wanted[key].append(request)
-            self._waiting[request.rank][request.rid] = (f"recv from rank {src}", ("recv", src))
-
-    def _deliver(self, request: _Request, tensors: list[torch.Tensor]) -> None:
-        shapes = [_meta_numel(m) for m in request.header["outputs"]]
-        if [t.numel() for t in tensors] != shapes:
-            self.failure = (f"rank {request.rank} receives {shapes} elements from rank {request.header['peer']}, "
-                            f"which sent {[t.numel() for t in tensors]}")
+            n = self._count(rank, comm_key, "coll", None)
+            request.item = Item((comm_key, "coll", n), ranks, op)
+        self._posted[rank, request.item.key] = request
+        self._waiting[rank][request.rid] = request
+        batch = self._batch.get(rank)
+        if batch is None:
+            self._entries[rank][request.rid] = request.rid
+            self._parts[rank, request.rid].append(request)
+            self._apply(self.streams.post(rank, Entry(rank, request.rid, comm_key, [request.item])))
             return
-        self._answer(request, tensors)
+        if batch.items and batch.comm != comm_key:
+            raise ValueError(f"rank {rank}'s batch mixes groups {list(batch.comm[0])} and {list(ranks)}")
+        if not batch.items:
+            batch.id, batch.comm = request.rid, comm_key
+        self._entries[rank][request.rid] = batch.id
+        self._parts[rank, batch.id].append(request)
+        batch.items.append(request.item)
 
-    # -- collectives
-    def _join(self, request: _Request, ranks: tuple) -> None:
-        seq = self._seq[(request.rank, ranks)]
-        self._seq[(request.rank, ranks)] += 1
-        slot = self._slots.setdefault((ranks, seq), {})
-        slot[request.rank] = request
-        self._waiting[request.rank][request.rid] = (f"{request.header['op']} #{seq + 1} of group {list(ranks)}",
-                                                    ("collective", ranks, seq))
-        if len(slot) == len(ranks):
-            del self._slots[(ranks, seq)]
-            self._complete([slot[r] for r in ranks])
+    def _count(self, rank: int, comm_key: tuple, kind: str, peer: int | None) -> int:
+        """How many calls of this kind (to this peer) `rank` made on the group before: this one's number."""
+        n = self._made[rank, comm_key, kind, peer]
+        self._made[rank, comm_key, kind, peer] = n + 1
+        return n
+
+    def _on_batch(self, rank: int, mark: str) -> None:
+        """A batch_isend_irecv begins (its parts come next) or ends: posted as one entry."""
+        if mark == "begin" and rank not in self._batch:
+            self._batches[rank] += 1
+            self._batch[rank] = Entry(rank, -1, None)
+        elif mark == "end" and rank in self._batch:
+            batch = self._batch.pop(rank)
+            if batch.items:
+                self._apply(self.streams.post(rank, batch))
+        else:
+            raise ValueError(f"a batch {mark!r} out of place")
+
+    def _apply(self, messages: list) -> None:
+        """Act on what the streams say: run the items released (each once all its parties have), or fail."""
+        for target, message in messages:
+            if message[0] == "fault":
+                self.failure = self.failure or message[1]
+            elif message[0] == "run":
+                request = self._parts[target, message[1]][message[2]]
+                item = request.item
+                del self._posted[target, item.key]
+                ran = self._ran[item.key]
+                ran[target] = request
+                if len(ran) == len(item.parties):
+                    del self._ran[item.key]
+                    self._run([ran[party] for party in item.parties])
+
+    def _run(self, members: list[_Request]) -> None:
+        """A released item: a send's bytes to its receive, or a collective computed."""
+        if members[0].item.key[1] == "p2p":
+            send, recv = members
+            self._answer(send, [])
+            shapes = [_meta_numel(m) for m in recv.header["outputs"]]
+            if [t.numel() for t in send.inputs] != shapes:
+                self.failure = (f"rank {recv.rank} receives {shapes} elements from rank {send.rank}, "
+                                f"which sent {[t.numel() for t in send.inputs]}")
+                return
+            self._answer(recv, send.inputs)
+        else:
+            self._complete(members)
 
     def _complete(self, members: list[_Request]) -> None:
-        ops = {m.header["op"] for m in members}
-        if len(ops) > 1:
-            self.failure = "the ranks called different collectives at the same step: " + ", ".join(
-                f"rank {m.rank} {m.header['op']}" for m in members)
-            return
-        op = ops.pop()
+        """A collective every member reached (the same op: the streams fail a mismatch), computed."""
+        op = members[0].header["op"]
         try:
             outputs = _COLLECTIVES[op](members)
         except (RuntimeError, ValueError, IndexError) as error:
@@ -281,30 +334,27 @@ class Broker:
     def _hung_up(self, rank: int) -> None:
         self.gone.add(rank)
         self._waiting.pop(rank, None)
+        if rank not in self.results:
+            self._apply(self.streams.idle(rank, True, 0))  # died: it posts nothing more
 
     def _check_stuck(self, idle_ranks, quiet: float) -> None:
-        """A waiting rank whose peer (or a member of its collective) has hung up can never
-        go on; neither can ranks that all wait, idle, with nothing moving."""
+        """A waiting rank whose peer (or a member of its collective) has hung up without
+        posting its side can never go on; neither can ranks that all wait, idle, with nothing
+        moving (the streams report the cycles as soon as the last rank of one waits)."""
         for rank, waits in list(self._waiting.items()):
-            for what, key in waits.values():
-                for other in self._needed_by(key):
-                    if other in self.gone:
-                        self.failure = f"rank {rank} waits in {what}, but rank {other} has already returned or died"
+            for request in waits.values():
+                for other in request.item.parties:
+                    if other in self.gone and (other, request.item.key) not in self._posted \
+                            and other not in self._ran.get(request.item.key, {}):
+                        self.failure = (f"rank {rank} waits in {request.item.what}, but rank {other} has already "
+                                        f"returned or died")
                         return
         live = [r for r in range(self.world_size) if r not in self.gone and r in self._socks]
         waiting = [r for r in live if self._waiting.get(r)]
         if live and waiting == live and time.monotonic() - self.last_activity > quiet \
                 and set(live) <= idle_ranks():
             self.failure = "deadlock: " + "; ".join(
-                f"rank {r} waits in {', '.join(what for what, _ in self._waiting[r].values())}" for r in live)
-
-    def _needed_by(self, key: tuple) -> list[int]:
-        """The ranks that have yet to call for this wait to end."""
-        if key[0] == "recv":
-            return [key[1]]
-        _, ranks, seq = key
-        joined = self._slots.get((ranks, seq), {})
-        return [r for r in ranks if r not in joined]
+                f"rank {r} waits in {', '.join(q.item.what for q in self._waiting[r].values())}" for r in live)
 
 
 def _dtype(meta):

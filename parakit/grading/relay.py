@@ -5,19 +5,23 @@ In a sealed run the ranks hold no connection to each other. Each holds one socke
 judge's `Broker`, and `RelayGroup` (a torch.distributed backend, "relay") turns every call
 (send, recv, all_reduce, all_gather, ..., issued from Python or from C++ such as DDP's
 reducer) into a request on it: the op, the group's global ranks, the peer or root, and the
-bytes of the tensors it passes in. The broker (`broker.py`) answers each request with the
-bytes of the call's outputs, which a reader thread copies into the output tensors.
+bytes of the tensors it passes in; `dist.batch_isend_irecv`'s parts go out between the
+marks of one batch, as NCCL's group call. The broker (`broker.py`) answers each request, once
+it has run by NCCL's rules, with the bytes of the call's outputs, which a reader thread copies
+into the output tensors.
 
     in a rank: connect(path, rank, token); dist.init_process_group("relay", store=dist.HashStore(), ...)
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import socket
 import threading
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.futures import Future
 
 from parakit.grading.broker import REDUCE
@@ -143,7 +147,21 @@ def connect(path: str, rank: int, token: str) -> _Link:
     send_frame(sock, {"hello": rank, "token": token})
     _LINK[:] = [_Link(sock)]
     dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+    dist.batch_isend_irecv = c10d.batch_isend_irecv = _batch_isend_irecv
     return _LINK[0]
+
+
+_POSTS = c10d.batch_isend_irecv  # torch's: each part posted by itself on a group that cannot coalesce
+
+
+@functools.wraps(_POSTS)
+def _batch_isend_irecv(p2p_op_list):
+    """torch's batch_isend_irecv, its operations marked as one batch for the broker."""
+    _LINK[0].send({"batch": "begin"})
+    try:
+        return _POSTS(p2p_op_list)
+    finally:
+        _LINK[0].send({"batch": "end"})
 
 
 def _create(options, _backend_options):

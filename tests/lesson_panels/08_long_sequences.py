@@ -49,7 +49,8 @@ RING_HEAD = '''def ring_forward(q, k, v):
 RING_KEEPS_EVERY_BLOCK = RING_HEAD + '''    blocks = [kv]
     for step in range(n - 1):
         incoming = torch.empty_like(kv)
-        requests = [dist.isend(kv, (r + 1) % n), dist.irecv(incoming, (r - 1) % n)]
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, (r + 1) % n),
+                                           dist.P2POp(dist.irecv, incoming, (r - 1) % n)])
         scores = q @ kv[0].transpose(-1, -2)            # work while the next block moves...
         for request in requests:
             request.wait()
@@ -80,7 +81,8 @@ RING_WAITS_AT_ONCE = RING_HEAD + '''    out = lse = None
     for step in range(n):
         if step < n - 1:
             incoming = torch.empty_like(kv)
-            for request in [dist.isend(kv, (r + 1) % n), dist.irecv(incoming, (r - 1) % n)]:
+            for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, (r + 1) % n),
+                                                   dist.P2POp(dist.irecv, incoming, (r - 1) % n)]):
                 request.wait()                          # posted, then waited before any compute
         part = cp.block_attention(q, kv[0], kv[1], scale)
         out, lse = part if out is None else cp.merge_partials(out, lse, *part)
@@ -189,7 +191,8 @@ CAUSAL_NO_SKIP = '''def ring_forward_causal(q, k, v):
     for step in range(n):
         if step < n - 1:
             incoming = torch.empty_like(kv)
-            requests = [dist.isend(kv, (r + 1) % n), dist.irecv(incoming, (r - 1) % n)]
+            requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, (r + 1) % n),
+                                               dist.P2POp(dist.irecv, incoming, (r - 1) % n)])
         owner = (r - step) % n
         theirs = (owner, 2 * n - 1 - owner)
         for a, (i, qc) in enumerate(zip(mine, q.chunk(2, dim=2))):
@@ -249,7 +252,8 @@ RING_OWN_MATH = '''def ring_forward(q, k, v):
         requests = []
         if step < n - 1:
             nxt = torch.empty_like(kv)
-            requests = [dist.isend(kv, (r + 1) % n), dist.irecv(nxt, (r - 1) % n)]
+            requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, (r + 1) % n),
+                                               dist.P2POp(dist.irecv, nxt, (r - 1) % n)])
         s = torch.einsum("bhqd,bhkd->bhqk", q, kv[:b]) * q.shape[-1] ** -0.5
         l = torch.logsumexp(s, -1)
         o = torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, -1), kv[b:])
@@ -273,7 +277,8 @@ CAUSAL_KEYS_FIRST = '''def ring_forward_causal(q, k, v):
     for step in range(n):
         if step < n - 1:
             incoming = torch.empty_like(kv)
-            requests = [dist.isend(kv, (r + 1) % n), dist.irecv(incoming, (r - 1) % n)]
+            requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, (r + 1) % n),
+                                               dist.P2POp(dist.irecv, incoming, (r - 1) % n)])
         owner = (r - step) % n
         for j, kc, vc in zip((owner, 2 * n - 1 - owner), kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)):
             for a, (i, qc) in enumerate(zip(mine, q.chunk(2, dim=2))):   # key chunks outside, queries inside
@@ -286,6 +291,14 @@ CAUSAL_KEYS_FIRST = '''def ring_forward_causal(q, k, v):
             kv = incoming
     return torch.cat([out[0][0], out[1][0]], dim=2), torch.cat([out[0][1], out[1][1]], dim=2)
 '''
+
+# The causal ring above with its send and its receive posted apart, not as one batch: under NCCL's
+# rules every rank's send waits for a receive posted after the next rank's own send, and the ring hangs.
+CAUSAL_POSTED_APART = CAUSAL_KEYS_FIRST.replace(
+    """dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, (r + 1) % n),
+                                               dist.P2POp(dist.irecv, incoming, (r - 1) % n)])""",
+    "[dist.isend(kv, (r + 1) % n), dist.irecv(incoming, (r - 1) % n)]")
+assert CAUSAL_POSTED_APART != CAUSAL_KEYS_FIRST
 
 BACKWARD_ACCUMULATOR_FIRST = '''def ring_backward(do, q, k, v, out, lse):
     n, r = dist.get_world_size(), dist.get_rank()
@@ -372,7 +385,8 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     re-shard and ring backward: 0 on every exercise. The kernel hangs in the causal ring and
     dies in the re-shard. Wrong techniques with right values, 0 on their exercises: rings that
     keep every block, forward (one softmax at the end) and backward (dq over every key at the
-    end; the bytes held grow), a forward with blocking send/recv, a forward and a backward that
+    end; the bytes held grow), a forward with blocking send/recv and a causal ring whose send
+    and receive are posted apart (it hangs under NCCL's rules), a forward and a backward that
     wait on each transfer before computing (nothing in flight while they compute), a causal ring
     that computes the masked chunk pairs and throws them away (more multiply-adds), a sequence
     pair made of all-reduces, a re-shard by all-gather with a backward that all-gathers K and V
@@ -393,7 +407,8 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
         student("ring_keeps_every_block", {"ring_forward": RING_KEEPS_EVERY_BLOCK,
                                            "ring_backward": BACKWARD_KEEPS_EVERY_BLOCK},
                 ("test_ring_forward", "test_ring_backward")),
-        student("ring_blocking", {"ring_forward": RING_BLOCKING}, ("test_ring_forward",)),
+        student("ring_blocking", {"ring_forward": RING_BLOCKING, "ring_forward_causal": CAUSAL_POSTED_APART},
+                ("test_ring_forward", "test_ring_forward_causal")),
         student("ring_waits_at_once", {"ring_forward": RING_WAITS_AT_ONCE, "ring_backward": BACKWARD_WAITS_AT_ONCE},
                 ("test_ring_forward", "test_ring_backward")),
         student("causal_no_skip", {"ring_forward_causal": CAUSAL_NO_SKIP}, ("test_ring_forward_causal",)),
