@@ -14,9 +14,12 @@ exercise. A mutant is killed when the mutated exercise's tests (the test cells b
 the next) score less than full; it survives otherwise, and a survivor is explained in the catalog
 ([survivors.LESSON.EXERCISE], MUTANT or OPERATOR = why the exercise's text allows it). A mutant that cannot
 be built (no such answer cell, no such old text, a mutated cell that does not compile) is one `not built`
-line. Each lesson run replaces its section of the table (per exercise: mutants, killed, survivors and why,
-not built). The exit status is 1 if a survivor is unexplained or a mutant could not be judged (the solution
-short of full marks, the grader failed), else 0. --list prints the mutants and grades nothing.
+line. An exercise no mutant rewrites needs a reason in the catalog too ([unmutated.LESSON], EXERCISE = why:
+a function of its arguments that its values grade, say). Each lesson run replaces its section of the table
+(per exercise: mutants, killed, survivors and why, not built; the unmutated exercises and why). The exit
+status is 1 if a survivor is unexplained, a mutant could not be judged (the solution short of full marks,
+the grader failed) or, in a run of whole lessons (no --exercise, no --operator), an exercise has no mutant
+and no reason, else 0. --list prints the mutants and grades nothing.
 """
 from __future__ import annotations
 
@@ -240,15 +243,25 @@ def counts(mutants: list[Mutant]) -> list[int]:
             len(mutants) - len(built)]
 
 
-def section(lesson: str, exercises: list[str], mutants: list[Mutant], heading: str) -> str:
+def unmutated(lesson: str, exercises: list[str], mutants: list[Mutant], catalog: dict) -> dict[str, str]:
+    """The exercises no mutant rewrites -> why (the catalog's [unmutated.LESSON]), or "" where it gives none."""
+    reasons = catalog.get("unmutated", {}).get(lesson, {})
+    return {e: reasons.get(e, "") for e in exercises if not any(m.exercise == e for m in mutants)}
+
+
+def section(lesson: str, exercises: list[str], mutants: list[Mutant], heading: str, bare: dict[str, str]) -> str:
     """The table's section of one lesson: its run, a summary row per exercise (those without mutants too), a row
-    per mutant."""
+    per mutant, and why each exercise without one has none."""
     rows = ["| exercise | mutants | killed | survived | not built |", "|---|---|---|---|---|"]
     for exercise in dict.fromkeys([*exercises, *(m.exercise for m in mutants)]):
         rows.append(f"| {exercise} | " + " | ".join(map(str, counts([m for m in mutants if m.exercise == exercise])))
                     + " |")
-    rows += ["", "| exercise | mutant | rewrites | outcome |", "|---|---|---|---|"]
-    rows += [f"| {m.exercise} | {m.name} | {cell(m.where)} | {cell(verdict(m))} |" for m in mutants]
+    if mutants:
+        rows += ["", "| exercise | mutant | rewrites | outcome |", "|---|---|---|---|"]
+        rows += [f"| {m.exercise} | {m.name} | {cell(m.where)} | {cell(verdict(m))} |" for m in mutants]
+    if bare:
+        rows += ["", "Not mutated:", ""]
+        rows += [f"- {e}: {why or 'NO REASON: a mutant to write, or a line in the catalog'}" for e, why in bare.items()]
     return f"## {lesson}\n\n{heading}\n\n" + "\n".join(rows) + "\n"
 
 
@@ -280,15 +293,16 @@ def write_table(path: Path, lesson: str, text: str) -> None:
 
 # ---------------------------------------------------------------------------- command line
 
-def run_lesson(lesson: str, args, catalog: dict, out: Path) -> list[Mutant]:
-    """Build, grade and judge one lesson's mutants; print them, write its section of the table."""
+def run_lesson(lesson: str, args, catalog: dict, out: Path) -> tuple[list[Mutant], list[str]]:
+    """Build, grade and judge one lesson's mutants; print them, write its section of the table. Returns the
+    mutants and the exercises without a mutant or a reason (none where --exercise or --operator narrows the run)."""
     solution = nbformat.read(args.solutions / f"{lesson}.ipynb", as_version=4)
     mutants = build(lesson, solution, catalog, args.exercise, args.operator)
     ready = [m for m in mutants if not m.problem]
     if args.list:
         for m in mutants:
             print(f"{lesson} {m.student}: " + (f"not built: {m.problem}" if m.problem else m.where))
-        return []
+        return [], []
     print(f"{lesson}: grading {course.count(len(ready), 'mutant')} and the solution in one grade run "
           f"(log: {out / lesson})", flush=True)
     start = time.monotonic()
@@ -300,8 +314,11 @@ def run_lesson(lesson: str, args, catalog: dict, out: Path) -> list[Mutant]:
         print(f"  {m.student}: {verdict(m)}")
     exercises = [e for e in answers(solution) if not args.exercise or e in args.exercise]
     heading = run_line(args, mutants, time.monotonic() - start)
-    write_table(args.table, lesson, section(lesson, exercises, mutants, heading))
-    return mutants
+    bare = {} if args.exercise or args.operator else unmutated(lesson, exercises, mutants, catalog)
+    for exercise, why in bare.items():
+        print(f"  {exercise}: not mutated: {why or 'NO REASON'}")
+    write_table(args.table, lesson, section(lesson, exercises, mutants, heading, bare))
+    return mutants, [f"{lesson} {e}" for e, why in bare.items() if not why]
 
 
 def run_line(args, mutants: list[Mutant], seconds: float) -> str:
@@ -349,13 +366,16 @@ def main(argv: list[str] | None = None) -> int:
     lessons = course.choose({}, {}, names, args.lesson, None)[1] if args.lesson else names
     with tempfile.TemporaryDirectory(prefix="parakit-mutants-") as scratch:
         out = args.out or Path(scratch)
-        mutants = [m for lesson in lessons for m in run_lesson(lesson, args, catalog, out)]
+        runs = [run_lesson(lesson, args, catalog, out) for lesson in lessons]
+    mutants, reasonless = [m for run in runs for m in run[0]], [e for run in runs for e in run[1]]
     for m in (m for m in mutants if m.outcome == "killed" and m.name in explanations(catalog, m)):
         print(f"note: {m.lesson} {m.student} was killed: the catalog's line explaining it as a survivor can go")
     failing = unexplained(mutants)
     for m in failing:
         print(f"{m.lesson} {m.student}: {verdict(m)}")
-    return 1 if failing else 0
+    for exercise in reasonless:
+        print(f"{exercise}: no mutant and no reason in the catalog's [unmutated]")
+    return 1 if failing or reasonless else 0
 
 
 if __name__ == "__main__":

@@ -403,3 +403,14 @@ def test_an_operator_that_does_not_exist_is_refused_with_the_list(lesson):
                                          "are blocking, separate_posts,"):
         mutants.main(["--list", "--operator", "blocked", "--solutions", str(lesson / "solutions"),
                       "--catalog", str(lesson / "catalog.toml")])
+
+
+def test_an_exercise_without_a_mutant_is_listed_with_its_reason_or_as_lacking_one():
+    catalog = {"unmutated": {"mutable": {"add": "a function of its arguments: its value is graded"}}}
+    built = mutants.Mutant("mutable", "sum_of_squares", "buffer_kept", "buffer_kept", "line 6: del squares")
+    bare = mutants.unmutated("mutable", ["add", "with_precision", "sum_of_squares"], [built], catalog)
+    assert bare == {"add": "a function of its arguments: its value is graded", "with_precision": ""}
+    text = mutants.section("mutable", ["add", "with_precision", "sum_of_squares"], [built], "Run on ...", bare)
+    assert "- add: a function of its arguments: its value is graded" in text
+    assert "- with_precision: NO REASON: a mutant to write, or a line in the catalog" in text
+    assert "| add | 0 | 0 | 0 | 0 |" in text and "| sum_of_squares | buffer_kept |" in text
