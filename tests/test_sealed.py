@@ -25,10 +25,10 @@ def runner():
     runner.close()
 
 
-def run(runner, fn, world_size=2, cells=(), locked=False, forbid=(), timeout=30.0):
-    """fn(rank) on fresh ranks after `cells` (student cells); the Run."""
+def run(runner, fn, world_size=2, cells=(), locked=False, forbid=(), timeout=30.0, gpu=False):
+    """fn(rank) on fresh ranks after `cells` (student cells), on the emulated GPU box where `gpu`; the Run."""
     job = sandbox.Job(cloudpickle.dumps((fn, [()])), True, [(f"<cell {i}>", c, True) for i, c in enumerate(cells)],
-                      cloudpickle.dumps(list(forbid)), locked, runner.config.hidden)
+                      cloudpickle.dumps(list(forbid)), locked, runner.config.hidden, gpu=gpu)
     return runner.run(job, world_size, timeout)
 
 
@@ -173,6 +173,40 @@ def test_relay_runs_blocking_sends_and_receives_in_an_order_that_meets(runner):
     result = run(runner, parity, world_size=4)
     assert result.failure is None
     assert [v[0]["value"][0].item() for v in result.values] == [3.0, 0.0, 1.0, 2.0]
+
+
+def on_the_gpu_box(where):
+    """On the emulated box: this rank's device and generator, a collective on tensors made
+    `where` ("device": parakit.device(), "cpu", "next": the next rank's GPU) and an object one."""
+    def run_there():
+        import parakit
+        rank, n = dist.get_rank(), dist.get_world_size()
+        here = parakit.device()
+        made = {"device": here, "cpu": torch.device("cpu"), "next": torch.device(here.type, (rank + 1) % n)}[where]
+        x = torch.full((3,), float(rank + 1), device=made)
+        dist.all_reduce(x)
+        names = [None] * n
+        dist.all_gather_object(names, str(here))
+        torch.manual_seed(0)
+        return str(here), x.cpu(), torch.rand(2, device=here).cpu(), torch.rand(2), names
+    return run_there
+
+
+def test_on_the_gpu_box_each_rank_computes_on_its_gpu_and_a_call_off_it_fails_as_under_nccl(runner):
+    result = run(runner, on_the_gpu_box("device"), gpu=True)
+    assert result.failure is None
+    cpu_draw = torch.rand(2, generator=torch.Generator().manual_seed(0))
+    for rank, value in enumerate(result.values):
+        device, x, drawn_there, drawn_on_cpu, names = value[0]["value"]
+        assert device == f"fgpu:{rank}" and x.tolist() == [3.0] * 3 and names == ["fgpu:0", "fgpu:1"]
+        assert torch.equal(drawn_on_cpu, cpu_draw) and not torch.equal(drawn_there, cpu_draw)  # the GPU's own generator
+        assert torch.equal(drawn_there, result.values[0][0]["value"][2])  # seeded alike by manual_seed on every rank
+    assert [c.op for c in result.calls[0]] == ["all_reduce", "all_gather", "all_gather"]
+    cpu, other = (run(runner, on_the_gpu_box(where), gpu=True).values[0][0]["error"] for where in ("cpu", "next"))
+    assert cpu.startswith("RuntimeError: No backend type associated with device type cpu: all_reduce on rank 0 got a "
+                          "tensor on cpu, but under NCCL this rank's tensors live on fgpu:0")
+    assert other.startswith("ValueError: all_reduce on rank 0 got a tensor on fgpu:1, but this rank's NCCL "
+                            "communicator is on fgpu:0 (one device per rank)")
 
 
 # ---------------------------------------------------------------------------- jail and withheld functions

@@ -46,7 +46,7 @@ from parakit.emulation import fgpu, gpu_streams
 from parakit.emulation.link import LINK, EmulatedNCCLError, Op, Work, broken, connect, idle  # noqa: F401 (the API)
 from parakit.emulation.streams import Entry, Item
 
-__all__ = ["BACKEND", "EmulatedNCCL", "EmulatedNCCLError", "register", "broken", "idle"]
+__all__ = ["BACKEND", "EmulatedNCCL", "EmulatedNCCLError", "register", "broken", "idle", "refuse_off_device"]
 
 BACKEND = "fnccl"
 _ORIGINAL = {"batch_isend_irecv": c10d.batch_isend_irecv, "object_device": c10d._get_object_coll_device}
@@ -114,13 +114,27 @@ def _batch_isend_irecv(p2p_op_list):
 
 
 def _object_device(group=None) -> str:
-    """Where all_gather_object and its kind put their bytes: for an emulated group the rank's
-    own fgpu, as NCCL's "cuda" means the current GPU (an fgpu without index would be fgpu:0
+    """Where all_gather_object and its kind put their bytes: for an emulated group (or one
+    registered as "fnccl", as the grading relay is on the emulated box) the rank's own fgpu, as NCCL's "cuda" means the current GPU (an fgpu without index would be fgpu:0
     in `.to`, whose index PyTorch takes from a device guard a Python backend cannot give)."""
     group = group or c10d._get_default_group()
-    if isinstance(group, EmulatedNCCL):
-        return str(group.device or torch.device(fgpu.NAME, fgpu.current_device()))
+    if isinstance(group, EmulatedNCCL) or c10d.get_backend(group) == BACKEND:  # or a group standing in for it
+        return str(getattr(group, "device", None) or torch.device(fgpu.NAME, fgpu.current_device()))
     return _ORIGINAL["object_device"](group)
+
+
+def refuse_off_device(tensor: torch.Tensor, bound: torch.device | None, what: str, rank: int) -> None:
+    """NCCL's rule for a tensor that `what` (an operation on `rank`) passes: on a GPU, the
+    communicator's (`bound`, where it has one; else the current one), never the CPU."""
+    expected = bound or torch.device(fgpu.NAME, fgpu.current_device())
+    if tensor.device.type != fgpu.NAME:
+        raise RuntimeError(
+            f"No backend type associated with device type {tensor.device.type}: {what} on rank {rank} got a tensor "
+            f"on {tensor.device}, but under NCCL this rank's tensors live on {expected}: make them there "
+            f"(device=parakit.device()) or move them with .to(parakit.device())")
+    if tensor.device != expected and bound is not None:
+        raise ValueError(f"{what} on rank {rank} got a tensor on {tensor.device}, but this rank's NCCL communicator "
+                         f"is on {bound} (one device per rank): move it there first")
 
 
 # ------------------------------------------------------------------------------ the group
@@ -254,15 +268,7 @@ class EmulatedNCCL(dist.ProcessGroup):
 
     def _check(self, tensors, what: str, contiguous: bool = True) -> None:
         for tensor in tensors:
-            expected = self.device or torch.device(fgpu.NAME, fgpu.current_device())
-            if tensor.device.type != fgpu.NAME:
-                raise RuntimeError(
-                    f"No backend type associated with device type {tensor.device.type}: {what} on rank {self._me()} "
-                    f"got a tensor on {tensor.device}, but under NCCL this rank's tensors live on {expected}: make "
-                    f"them there (device=parakit.device()) or move them with .to(parakit.device())")
-            if tensor.device != expected and self.device is not None:
-                raise ValueError(f"{what} on rank {self._me()} got a tensor on {tensor.device}, but this rank's NCCL "
-                                 f"communicator is on {self.device} (one device per rank): move it there first")
+            refuse_off_device(tensor, self.device, what, self._me())
             self.device = self.device or tensor.device  # lazy: NCCL takes the first tensor's device
             if contiguous and not tensor.is_contiguous():
                 raise ValueError("Tensors must be contiguous")

@@ -54,7 +54,7 @@ def check(student: Callable, reference: Callable, make_inputs: Callable, *, worl
           trials: int = 2, forbid: dict[Callable, str] | None = None, allow: Iterable | None = None,
           timeout: float = 60.0,
           rtol: float | None = None, atol: float | None = None, same_traffic: bool = False,
-          same_order: bool = False, same_overlap: bool = False, quiet: bool = False) -> None:
+          same_order: bool = False, same_overlap: bool = False, gpu: bool = False, quiet: bool = False) -> None:
     """Compare `student(*inputs)` with `reference(*inputs)` on every rank, for each world size.
 
     `make_inputs(r)` returns the tuple of arguments for one rank, given an `InputContext`
@@ -68,13 +68,16 @@ def check(student: Callable, reference: Callable, make_inputs: Callable, *, worl
     each of the same kind, with the same peer and bytes; `same_overlap` (sealed grading only,
     where the relay sees it): as many of each rank's calls in flight while its backward went on
     as the reference's (a blocking call, or one started at the backward's last hook, overlaps
-    nothing). Raises AssertionError (or Tripwire) naming the world size, trial and rank that
-    differ.
+    nothing). `gpu` (sealed grading only): both sides' ranks compute on the emulated GPU box,
+    rank r on fgpu:r with its own generator, under NCCL's rule that a call's tensors are on the
+    rank's GPU (`parakit.device()`), so that forgetting the device shows as on a GPU; in a
+    notebook the ranks compute where the notebook's do. Raises AssertionError (or Tripwire)
+    naming the world size, trial and rank that differ.
     """
     if SEALED:
         return SEALED[0].check(student, reference, make_inputs, world_sizes=world_sizes, trials=trials,
                                forbid=forbid, allow=allow, timeout=timeout, rtol=rtol, atol=atol,
-                               same_traffic=same_traffic, same_order=same_order, same_overlap=same_overlap)
+                               same_traffic=same_traffic, same_order=same_order, same_overlap=same_overlap, gpu=gpu)
     name, cells = getattr(student, "__name__", "your function"), _cells_of(student, reference)
     world_sizes = list(world_sizes)
     for world_size in world_sizes:
@@ -101,11 +104,13 @@ def check(student: Callable, reference: Callable, make_inputs: Callable, *, worl
 
 def check_local(student: Callable, reference: Callable, cases: Iterable[tuple], *,
                 forbid: dict[Callable, str] | None = None, allow: Iterable | None = None,
-                rtol: float | None = None, atol: float | None = None, quiet: bool = False) -> None:
+                rtol: float | None = None, atol: float | None = None, gpu: bool = False, quiet: bool = False) -> None:
     """Compare `student(*case)` with `reference(*case)` in this process for every case
-    (`forbid`, `allow`: as for `check`)."""
+    (`forbid`, `allow`, `gpu`: as for `check`; with `gpu` the cases' tensors come to the CPU
+    and the functions move them to `parakit.device()`, fgpu:0)."""
     if SEALED:
-        return SEALED[0].check_local(student, reference, cases, forbid=forbid, allow=allow, rtol=rtol, atol=atol)
+        return SEALED[0].check_local(student, reference, cases, forbid=forbid, allow=allow, rtol=rtol, atol=atol,
+                                     gpu=gpu)
     name = getattr(student, "__name__", "your function")
     cases, cells = list(cases), _cells_of(student, reference)
     for case in cases:

@@ -98,7 +98,7 @@ class Sealed:
         answer, and a hang costs the floor (15 s; every full solution's runs took at most 3.5 s
         on 2 cores at load 4.5). The reference (the instructor's code) is bounded only against
         a hang, at REFERENCE_TIMES x `timeout`."""
-        key = hashlib.sha256(reference_job.call + bytes([world_size])).hexdigest()
+        key = hashlib.sha256(reference_job.call + bytes([world_size, reference_job.gpu])).hexdigest()
         thread = None
         if key not in self.cache:
             def reference():
@@ -134,19 +134,21 @@ class Sealed:
         self.cache[key] = (self.cache[key][0], now / REFERENCE_TIMES)
         return self.student.run(student_job, world_size, now)
 
-    def _jobs(self, call_student: bytes, call_reference: bytes, local: bool, forbid, allowed, name: str):
+    def _jobs(self, call_student: bytes, call_reference: bytes, local: bool, forbid, allowed, name: str, gpu: bool):
         """The student's job (its cells, the forbidden functions and what only they use withheld,
-        what the exercise allows its code to call of parakit's, the rest gated) and the reference's."""
+        what the exercise allows its code to call of parakit's, the rest gated) and the reference's,
+        both on the emulated GPU box where `gpu`."""
         withheld = [(f, f"{name} called {_where(f)}, which this exercise forbids: {why}") for f, why in forbid.items()]
         withheld += [(f, f"{name} called {_where(f)}, which only the parts of parakit this exercise forbids use")
                      for f in reach.only_used_by(forbid, self.kept)]
         gate = b"" if allowed is None else cloudpickle.dumps((list(allowed), allow.message(name, allowed)))
         student = sandbox.Job(call_student, local, self.cells, cloudpickle.dumps(withheld), True, self.hidden,
-                              allow=gate)
-        return student, sandbox.Job(call_reference, local, allow=gate)
+                              allow=gate, gpu=gpu)
+        return student, sandbox.Job(call_reference, local, allow=gate, gpu=gpu)
 
     def check(self, student, reference, make_inputs, *, world_sizes=(2, 4), trials=2, forbid=None, allow=None,
-              timeout=60.0, rtol=None, atol=None, same_traffic=False, same_order=False, same_overlap=False) -> None:
+              timeout=60.0, rtol=None, atol=None, same_traffic=False, same_order=False, same_overlap=False,
+              gpu=False) -> None:
         from parakit.grading import Traffic, compare_overlap, compare_traffic, compare_values
         name, forbid = getattr(student, "__name__", "your function"), forbid or {}
         _refuse_open(name, allow)
@@ -155,7 +157,7 @@ class Sealed:
             for trial in range(trials):
                 seed = random.randrange(2**31)
                 jobs = self._jobs(cloudpickle.dumps((student, make_inputs, seed)),
-                                  cloudpickle.dumps((reference, make_inputs, seed)), False, forbid, allow, name)
+                                  cloudpickle.dumps((reference, make_inputs, seed)), False, forbid, allow, name, gpu)
                 mine, theirs = self._pair(*jobs, world_size, timeout)
                 where = f"{name} on {world_size} ranks, trial {trial + 1}"
                 _raise_failures(mine, theirs, where)
@@ -173,13 +175,14 @@ class Sealed:
                 if same_overlap:
                     compare_overlap(traffic, f"{where} (seed {seed})")
 
-    def check_local(self, student, reference, cases, *, forbid=None, allow=None, rtol=None, atol=None) -> None:
+    def check_local(self, student, reference, cases, *, forbid=None, allow=None, rtol=None, atol=None,
+                    gpu=False) -> None:
         from parakit.grading import compare_values
         name, forbid, cases = getattr(student, "__name__", "your function"), forbid or {}, list(cases)
         _refuse_open(name, allow)
         self.references.append(reference)
         jobs = self._jobs(cloudpickle.dumps((student, cases)), cloudpickle.dumps((reference, cases)), True, forbid,
-                          allow, name)
+                          allow, name, gpu)
         mine, theirs = self._pair(*jobs, 1, 60.0 + 0.5 * len(cases))
         _raise_failures(mine, theirs, name)
         _raise_forbidden(mine, theirs, forbid, name)

@@ -10,6 +10,11 @@ marks of one batch, as NCCL's group call. The broker (`broker.py`) answers each 
 it has run by NCCL's rules, with the bytes of the call's outputs, which a reader thread copies
 into the output tensors.
 
+On the emulated GPU box (`connect(..., gpu=True)`, the rank's fgpu made current first) the
+relay stands in for the emulated NCCL: registered as its backend, "fnccl", so that
+`parakit.device()` is the rank's GPU, and refusing what NCCL refuses of a call's tensors (one
+on the CPU or on another rank's GPU).
+
     in a rank: connect(path, rank, token); dist.init_process_group("relay", store=dist.HashStore(), ...)
 """
 from __future__ import annotations
@@ -24,10 +29,11 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.futures import Future
 
+from parakit import emulation
 from parakit.grading.broker import REDUCE
 from parakit.grading.codec import recv_frame, send_frame, tensor_bytes, tensor_from, tensor_meta
 
-__all__ = ["RelayGroup", "connect", "BACKEND"]
+__all__ = ["RelayGroup", "connect", "backend", "BACKEND"]
 
 BACKEND = "relay"
 
@@ -39,8 +45,9 @@ class _Link:
     request and the first wait on its Work say which autograd node was running then (0:
     none, outside a backward), so the broker can tell a call that overlapped the backward."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, device: torch.device | None):
         self.sock, self.lock, self.ids = sock, threading.Lock(), itertools.count()
+        self.device = device  # the rank's GPU on the emulated box, whose tensors alone a call may pass; else None
         self.pending: dict[int, tuple[Future, list[torch.Tensor]]] = {}
         self.nodes: list = []  # the autograd nodes seen, kept alive so that each keeps its number
         threading.Thread(target=self._read, daemon=True, name="relay-reader").start()
@@ -140,15 +147,22 @@ def _fill(outputs: list[torch.Tensor], metas: list[dict], payload: bytes) -> Non
 _LINK: list[_Link] = []
 
 
-def connect(path: str, rank: int, token: str) -> _Link:
-    """Open this rank's link to the broker at `path` and register the "relay" backend."""
+def connect(path: str, rank: int, token: str, gpu: bool = False) -> _Link:
+    """Open this rank's link to the broker at `path` and register the backend `backend(gpu)`:
+    "relay", or with `gpu` (the emulated box installed, the rank's fgpu current) "fnccl"."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
     send_frame(sock, {"hello": rank, "token": token})
-    _LINK[:] = [_Link(sock)]
-    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+    here = torch.device(emulation.DEVICE, emulation.fgpu.current_device()) if gpu else None
+    _LINK[:] = [_Link(sock, here)]
+    dist.Backend.register_backend(backend(gpu), _create, extended_api=True, devices=[emulation.DEVICE if gpu else "cpu"])
     dist.batch_isend_irecv = c10d.batch_isend_irecv = _batch_isend_irecv
     return _LINK[0]
+
+
+def backend(gpu: bool) -> str:
+    """The name a sealed rank's process group is made with: the emulated NCCL's on the GPU box."""
+    return emulation.BACKEND if gpu else BACKEND
 
 
 _POSTS = c10d.batch_isend_irecv  # torch's: each part posted by itself on a group that cannot coalesce
@@ -176,6 +190,12 @@ def _reduce_name(op) -> str:
     raise ValueError(f"reduce op {op} is not supported in a sealed run: use SUM, AVG, PRODUCT, MIN or MAX")
 
 
+def _on_device(op: str, tensors: list[torch.Tensor]) -> None:
+    """On the emulated box, NCCL's rule for a call's tensors: each on this rank's GPU."""
+    for tensor in tensors if _LINK[0].device is not None else ():
+        emulation.nccl.refuse_off_device(tensor, _LINK[0].device, op, dist.get_rank())
+
+
 class RelayGroup(dist.ProcessGroup):
     """A process group of the global `ranks`, every call a request to the broker."""
 
@@ -184,9 +204,10 @@ class RelayGroup(dist.ProcessGroup):
         self.ranks = ranks
 
     def getBackendName(self):
-        return BACKEND
+        return backend(_LINK[0].device is not None)
 
     def _call(self, op, inputs, outputs, **fields):
+        _on_device(op, [*inputs, *outputs])
         return _LINK[0].request({"op": op, "ranks": self.ranks, **fields}, list(inputs), list(outputs))
 
     def send(self, tensors, dst, tag=0):

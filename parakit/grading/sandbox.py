@@ -45,7 +45,9 @@ class Job:
     check. `forbid`: cloudpickled [(function, message)] withheld, and the process locked,
     after the instructor's cells and before the first student cell; `allow`: cloudpickled
     (allowed, message) for `allow.Gate`, set up then too (the message has a {} for what the
-    student's code called; a reference's job, not `locked`, is watched alike and never trips)."""
+    student's code called; a reference's job, not `locked`, is watched alike and never trips).
+    `gpu`: the ranks compute on the emulated GPU box, rank r on fgpu:r (`relay` stands in for
+    its NCCL), where the technique involves the device: its generator, placement, streams."""
 
     call: bytes
     local: bool
@@ -55,6 +57,7 @@ class Job:
     hidden: list[str] = field(default_factory=list)
     report_cells: bool = False
     allow: bytes = b""
+    gpu: bool = False
 
 
 def student_object(path: tuple[str, ...]):
@@ -317,7 +320,11 @@ def _run(spec: dict) -> None:
 
     torch.set_num_threads(1)
     rank, world_size, job = spec["rank"], spec["world_size"], spec["job"]
-    link = relay.connect(spec["path"], rank, spec["token"])
+    if job.gpu:
+        from parakit import emulation
+        emulation.install(world_size)
+        emulation.fgpu.set_device(rank)
+    link = relay.connect(spec["path"], rank, spec["token"], job.gpu)
     if job.locked and spec.get("confine"):  # the OS's walls first (the link is connected already)
         from parakit.grading import isolation
         linecache.clearcache()
@@ -326,7 +333,7 @@ def _run(spec: dict) -> None:
         FULL = (f"a graded rank writes at most {limits.scratch_size // 2**20} MiB in its scratch folder (a run's "
                 f"{SCRATCH_LIMIT // 2**20} MiB shared by its {world_size} ranks), {limits.tmp_size // 2**20} MiB in "
                 f"/tmp and in /dev/shm, {limits.file_size // 2**20} MiB in one file: this write went past them")
-    dist.init_process_group(relay.BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
+    dist.init_process_group(relay.backend(job.gpu), store=dist.HashStore(), rank=rank, world_size=world_size)
 
     def seal():  # the instructor's setup has run; from the student's first line on:
         notify = lambda text: link.send({"note": "tripped: " + text})  # noqa: E731
