@@ -223,11 +223,15 @@ ATTEMPTS = {
 }
 
 
-def test_a_locked_rank_is_refused_each_way_out_while_its_scratch_folder_works(runner):
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu_box"])
+def test_a_locked_rank_is_refused_each_way_out_while_its_scratch_folder_works(runner, gpu):
     scratch = ("<scratch>", "open('mine.txt', 'w').write('ok')\nimport os, tempfile\n"  # tempfile's folders too
-               "assert os.path.dirname(tempfile.mkdtemp()) == os.getcwd()", True)
+               "assert os.path.dirname(tempfile.mkdtemp()) == os.getcwd()\n"
+               "import torch, parakit\n"  # on the GPU box, its tensors (made through ctypes by fgpu itself) work
+               f"assert (torch.ones(2, device=parakit.device()) * 2).device.type == {'fgpu' if gpu else 'cpu'!r}", True)
     cells = [scratch, *((k, v, True) for k, v in ATTEMPTS.items())]
-    job = sandbox.Job(cloudpickle.dumps((int, [])), True, cells, b"", True, runner.config.hidden, report_cells=True)
+    job = sandbox.Job(cloudpickle.dumps((int, [])), True, cells, b"", True, runner.config.hidden, report_cells=True,
+                      gpu=gpu)
     notes = runner.run(job, 1, 30).notes[0]
     assert notes[0] == "cell 0 ok" and len(notes) == len(cells), notes[0]
     for what, note in zip(ATTEMPTS, notes[1:]):

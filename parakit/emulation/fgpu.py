@@ -514,6 +514,9 @@ def _on_fgpu(cpu: torch.Tensor, index: int) -> torch.Tensor:
     return torch.utils.dlpack.from_dlpack(capsule)
 
 
+RAW = frozenset({_on_fgpu.__code__})  # the code that reaches memory through ctypes (a sealed rank's jail lets it)
+
+
 def _storage_on(storage: torch.UntypedStorage, index: int) -> torch.UntypedStorage:
     """An fgpu:index storage owning CPU `storage`'s memory, counted there until it dies."""
     owned = _on_fgpu(torch.empty(0, dtype=torch.uint8).set_(storage), index).untyped_storage()

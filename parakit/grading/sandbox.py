@@ -316,12 +316,12 @@ def _run(spec: dict) -> None:
     import torch
     import torch.distributed as dist
     import parakit
+    from parakit import emulation
     from parakit.grading import allow, codec, jail, relay
 
     torch.set_num_threads(1)
     rank, world_size, job = spec["rank"], spec["world_size"], spec["job"]
     if job.gpu:
-        from parakit import emulation
         emulation.install(world_size)
         emulation.fgpu.set_device(rank)
     link = relay.connect(spec["path"], rank, spec["token"], job.gpu)
@@ -343,7 +343,8 @@ def _run(spec: dict) -> None:
             gate = allow.Gate(allow.gated(allowed), message.format, notify)  # the codes before any is withheld
         for fn, message in cloudpickle.loads(job.forbid) if job.forbid else ():
             jail.withhold(fn, message, notify)
-        jail.lock(spec["scratch"], job.hidden, gate.install() if gate else frozenset())
+        raw = emulation.fgpu.RAW if job.gpu else frozenset()  # the emulated GPU makes its tensors through ctypes
+        jail.lock(spec["scratch"], job.hidden, gate.install() if gate else frozenset(), raw)
 
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     if job.locked:  # a student's rank: its cells' names are what StudentName proxies become

@@ -52,6 +52,28 @@ def my_checkpoint(fn, *inputs):
     return MyCheckpoint.apply(fn, torch.empty(0, requires_grad=True), *inputs)
 '''
 
+CHECKPOINT_FORGETS_THE_DEVICE_GENERATOR = '''class MyCheckpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, anchor, *inputs):
+        ctx.fn, ctx.state = fn, torch.get_rng_state()   # the CPU's generator only: on a GPU dropout draws from its own
+        ctx.save_for_backward(*inputs)
+        return fn(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(ctx.state)
+            with torch.enable_grad():
+                output = ctx.fn(*inputs)
+        torch.autograd.backward(output, grad_output)
+        return (None, None, *[x.grad for x in inputs])
+
+
+def my_checkpoint(fn, *inputs):
+    return MyCheckpoint.apply(fn, torch.empty(0, requires_grad=True), *inputs)
+'''
+
 SEQUENTIAL_CEIL = '''def my_checkpoint_sequential(functions, segments, input):
     functions = list(functions)
     if not 1 <= segments <= len(functions):
@@ -74,11 +96,13 @@ SEQUENTIAL_EACH_ALONE = '''def my_checkpoint_sequential(functions, segments, inp
 # Right, written otherwise: full marks.
 OTHERWISE = {
     "my_checkpoint": '''class MyCheckpoint(torch.autograd.Function):
-    """The RNG state set and put back by hand, without fork_rng; fn runs under no_grad explicitly."""
+    """The RNG states set and put back by hand, without fork_rng; fn runs under no_grad explicitly."""
 
     @staticmethod
     def forward(ctx, fn, anchor, *inputs):
         ctx.fn, ctx.rng = fn, torch.get_rng_state()
+        ctx.gpu_rng = {x.device: torch.get_device_module(x.device).get_rng_state(x.device)
+                       for x in inputs if x.device.type != "cpu"}
         ctx.save_for_backward(*inputs)
         with torch.no_grad():
             return fn(*inputs)
@@ -87,12 +111,17 @@ OTHERWISE = {
     def backward(ctx, grad_output):
         detached = tuple(x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors)
         now = torch.get_rng_state()
+        gpu_now = {d: torch.get_device_module(d).get_rng_state(d) for d in ctx.gpu_rng}
         torch.set_rng_state(ctx.rng)
+        for d, state in ctx.gpu_rng.items():
+            torch.get_device_module(d).set_rng_state(state, d)
         try:
             with torch.enable_grad():
                 output = ctx.fn(*detached)
         finally:
             torch.set_rng_state(now)
+            for d, state in gpu_now.items():
+                torch.get_device_module(d).set_rng_state(state, d)
         torch.autograd.backward([output], [grad_output])
         return (None, None) + tuple(x.grad for x in detached)
 
@@ -130,8 +159,10 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     other recomputations, hidden only); the student whose kernel hangs
     also forks the RNG in the recomputation without restoring the recorded state (another
     dropout mask), and the one with missing cells (checkpoint's tests deleted) checkpoints
-    every function alone. `otherwise` is right and written differently (the RNG state put back
-    by hand, segments by torch.tensor_split, each a closure): full marks."""
+    every function alone; `cpu_generator_only` records and restores the CPU's generator alone
+    (right on the CPU, another dropout mask on the emulated GPU box's hidden case). `otherwise`
+    is right and written differently (the RNG states put back by hand, segments by
+    torch.tensor_split, each a closure): full marks."""
     pts = panel.points(panel.load(lesson))
     hardcoded = {
         "my_checkpoint": CHECKPOINT_WITHOUT_ANCHOR,
@@ -157,6 +188,9 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
         hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0), borrowed=borrowed,
         extra=[panel.Student("wrong_technique", {lesson.name: panel.with_sources(full, wrong)},
                              {"test_best_segment_count": pts["test_best_segment_count"]}),
+               panel.Student("cpu_generator_only", {lesson.name: panel.with_sources(
+                   full, {"my_checkpoint": CHECKPOINT_FORGETS_THE_DEVICE_GENERATOR})},
+                   {**pts, "test_my_checkpoint": 0.0}),
                panel.Student("otherwise", {lesson.name: panel.with_sources(full, OTHERWISE)}, dict(pts))])
     hang = next(s for s in students if s.name == "hang_and_crash")
     hang.files[lesson.name] = panel.with_sources(hang.files[lesson.name], {"my_checkpoint": CHECKPOINT_FORGETS_THE_RNG})
