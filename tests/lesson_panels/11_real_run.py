@@ -213,13 +213,19 @@ def restore_resume(saved, seed):
     return saved["step"]
 '''
 
-RESUME_NO_RNG = '''def capture_resume(step, seed):
-    return {"step": step, "seed": seed}                # the model and optimizer come back; no generator does
+RESUME_CPU_GENERATORS = '''def capture_resume(step, seed):
+    kind, key, position, has_gauss, gauss = np.random.get_state()   # every generator but the device's
+    return {"step": step, "seed": seed, "torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": (kind, torch.from_numpy(key.astype(np.int64)), position, has_gauss, gauss)}
 
 
 def restore_resume(saved, seed):
     if saved["seed"] != seed:
         raise ValueError(f"state of seed {saved['seed']}, run of seed {seed}")
+    torch.set_rng_state(saved["torch"])
+    random.setstate(saved["python"])
+    kind, key, position, has_gauss, gauss = saved["numpy"]
+    np.random.set_state((kind, key.numpy().astype(np.uint32), position, has_gauss, gauss))
     return saved["step"]
 '''
 
@@ -281,7 +287,8 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
 
     Wrong techniques, each 0 on its exercise's tests: `wrong_techniques` counts the replicated
     gradients on every tp rank, has every rank write every shard it holds (the replicated ones
-    too) and reads every file to load, restores the model but no generator, and forgets that
+    too) and reads every file to load, restores every generator but the device's (dropout on
+    the emulated GPU box's hidden run draws other masks after the resume), and forgets that
     DDP divides the gradients by n again. The student whose kernel hangs (in the loss) also
     sums the norm over the dp replicas; the one whose kernel dies (in the resume state) also
     writes the index first, under its own name, and copies each piece as it reads it (a rank
@@ -292,7 +299,7 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     hardcoded = {"clip_grad_norm": CLIP_FORGETS_PP, "save_sharded": SAVE_IGNORES_FLAT + "\n\n" + LOAD_ALONE,
                  "capture_resume": RESUME_TORCH_ONLY, "token_weighted_loss": TOKEN_MEAN_OF_MEANS}
     wrong = {"clip_grad_norm": CLIP_TP_TIMES, "save_sharded": SAVE_EVERYTHING + "\n\n" + LOAD_READS_ALL,
-             "capture_resume": RESUME_NO_RNG, "token_weighted_loss": TOKEN_WITHOUT_N}
+             "capture_resume": RESUME_CPU_GENERATORS, "token_weighted_loss": TOKEN_WITHOUT_N}
     students = panel.standard_panel(
         lesson, solution, hang_in="token_weighted_loss", crash_in="capture_resume",
         hardcoded=hardcoded, hardcoded_expected=dict.fromkeys(pts, 0.0), borrowed=BORROWED,
