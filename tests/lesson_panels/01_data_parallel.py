@@ -31,6 +31,19 @@ EVEN_SPLIT = """def data_parallel(module, inputs, devices, chunk_sizes):
     return dp.gather(outputs, devices[0])
 """
 
+THREADS_IN_TURN = """def data_parallel(module, inputs, devices, chunk_sizes):
+    # each replica in a thread of its own, but each thread joined before the next starts: one after another
+    import threading
+    used = [d for d, rows in zip(devices, chunk_sizes) if rows > 0]
+    chunks = [dp.scatter(x, devices, chunk_sizes) for x in inputs]
+    outputs = []
+    for replica, args in zip(dp.replicate(module, used), zip(*chunks)):
+        thread = threading.Thread(target=lambda r=replica, a=args: outputs.append(r(*a)))
+        thread.start()
+        thread.join()
+    return dp.gather(outputs, devices[0])
+"""
+
 PER_ROW_LOSS = """class ChunkLoss(nn.Module):
     # one loss per row, gathered on device 0 and summed there: B numbers instead of one per device
 
@@ -97,7 +110,9 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
     0 by the peaks per device) and returns one loss per row (0 on every exercise);
     `even_split` runs the four primitives on the even split whatever chunk_sizes says (right
     outputs and gradients, 0 by the peaks) and returns each chunk's mean loss (0);
-    `other_ways` (the chunk rule in closed form, replicas made before the chunks, the
+    the student with missing cells (the chunk rule's tests deleted) runs each replica in a
+    thread of its own, each joined before the next starts (right values and peaks, 0: the
+    replicas never meet inside their forwards); `other_ways` (the chunk rule in closed form, replicas made before the chunks, the
     rows counted from the target) keeps full marks."""
     full = panel.full_solution(panel.load(lesson), panel.load(solution))
     name, pts = lesson.name, panel.points(panel.load(lesson))
@@ -124,10 +139,14 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
             full, {"balanced_chunk_sizes": CLOSED_FORM, "data_parallel": REPLICATE_FIRST,
                    "chunk_loss": TIMES_ROWS})}, dict(pts)),
     ]
-    return panel.standard_panel(
+    students = panel.standard_panel(
         lesson, solution, hang_in="chunk_loss", crash_in="data_parallel",
         hardcoded=hardcoded, hardcoded_expected={"test_balanced_chunk_sizes": 0.0}, borrowed=borrowed,
         extra=techniques)
+    missing = next(s for s in students if s.name == "missing_cells")
+    missing.files[name] = panel.with_sources(missing.files[name], {"data_parallel": THREADS_IN_TURN})
+    missing.expected.update(test_data_parallel=0.0)
+    return students
 
 
 LESSON = panel.Lesson(REPO / "solutions" / "01_data_parallel.ipynb", students, timeout=45)
