@@ -159,6 +159,23 @@ def test_relay_runs_a_ring_by_nccls_rules_batched_it_runs_posted_apart_it_hangs(
     assert all(c.batch is None for r in result.calls for c in r)
 
 
+def test_relay_records_which_calls_were_in_flight_together(runner):
+    def two_at_once_then_one():
+        a, b, c = torch.ones(2), torch.ones(3), torch.ones(1)
+        first, second = dist.all_reduce(a, async_op=True), dist.all_reduce(b, async_op=True)
+        second.wait()
+        dist.broadcast(c, 0)            # blocking, while the first is still not waited for
+        first.wait()
+        dist.all_reduce(c)              # nothing in flight
+    result = run(runner, two_at_once_then_one)
+    assert result.failure is None
+    for calls in result.calls:
+        assert [(c.op, c.alongside) for c in calls] == [("all_reduce", ()), ("all_reduce", (0,)), ("broadcast", (0,)),
+                                                        ("all_reduce", ())]
+    batched = run(runner, ring(batched=True), world_size=3)
+    assert all([c.alongside for c in calls] == [(), (0,)] for calls in batched.calls)  # a batch's parts, together
+
+
 def test_relay_runs_blocking_sends_and_receives_in_an_order_that_meets(runner):
     def parity():
         rank, n = dist.get_rank(), dist.get_world_size()

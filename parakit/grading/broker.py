@@ -50,6 +50,7 @@ class Call:
     nbytes: int
     wire_bytes: int
     batch: int | None = None  # the number of the rank's batch_isend_irecv it was posted in (0, 1, ...)
+    alongside: tuple[int, ...] = ()  # the rank's earlier calls (their indices) in flight as it was posted: not waited for
 
 
 @dataclass
@@ -93,6 +94,7 @@ class Broker:
         self._waiting: dict[int, dict[int, _Request]] = defaultdict(dict)  # rank -> request id -> request
         self._events: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # rank -> (call index or -1, request id, node)
         self._call_of: dict[int, dict[int, int]] = defaultdict(dict)  # rank -> request id -> its index in calls[rank]
+        self._unwaited: dict[int, dict[int, None]] = defaultdict(dict)  # rank -> ids of its calls not yet waited for
         self.last_activity = time.monotonic()
 
     # -- serving
@@ -167,6 +169,7 @@ class Broker:
         if "wait" in header:
             rid = int(header["wait"])
             self._events[rank].append((-1, rid, int(header.get("node", 0))))
+            self._unwaited[rank].pop(rid, None)
             if rid in self._entries[rank]:
                 self._apply(self.streams.wait(rank, self._entries[rank][rid]))
             return
@@ -182,12 +185,14 @@ class Broker:
         op = header["op"]
         if op not in _COLLECTIVES and op not in ("send", "recv"):
             raise ValueError(f"unknown op {op!r}")
+        alongside = tuple(self._call_of[rank][rid] for rid in self._unwaited[rank])
         self._call_of[rank][request.rid] = len(self.calls[rank])
+        self._unwaited[rank][request.rid] = None
         self._events[rank].append((len(self.calls[rank]), request.rid, int(header.get("node", 0))))
-        self._record(rank, op, ranks, header, inputs)
+        self._record(rank, op, ranks, header, inputs, alongside)
         self._post(request, ranks)
 
-    def _record(self, rank, op, ranks, header, inputs) -> None:
+    def _record(self, rank, op, ranks, header, inputs, alongside: tuple[int, ...]) -> None:
         nbytes = sum(t.numel() * t.element_size() for t in inputs)
         if op in ("recv", "broadcast"):
             nbytes = sum(_meta_bytes(m) for m in header["outputs"])
@@ -198,7 +203,7 @@ class Broker:
         peer = header.get("peer")
         model = comm.ring_bytes(op, nbytes, n, me, root)
         batch = self._batches[rank] - 1 if rank in self._batch else None
-        self.calls[rank].append(Call(op, ranks, peer, root, nbytes, model, batch))
+        self.calls[rank].append(Call(op, ranks, peer, root, nbytes, model, batch, alongside))
 
     def overlapped(self, rank: int) -> list[bool]:
         """For each call of `rank`: whether its backward went on while it was in flight, that
