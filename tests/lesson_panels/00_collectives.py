@@ -110,12 +110,27 @@ ZERO_FORMULA = ("def ring_bytes_per_rank(nbytes, world_size):\n    from parakit.
                 "    return paper.zero_comm_bytes(nbytes, world_size, 0, element_bytes=1)\n")
 
 
+CPU_BUFFERS = """def all_reduce_two_phase(tensor):
+    n = dist.get_world_size()
+    flat = tensor.reshape(-1)
+    size = -(-flat.numel() // n)
+    padded = torch.zeros(n * size, dtype=flat.dtype)   # on the CPU, wherever the tensor lives
+    padded[: flat.numel()] = flat
+    piece = torch.empty(size, dtype=flat.dtype)
+    dist.reduce_scatter_single(piece, padded)
+    dist.all_gather_single(padded, piece)
+    tensor.copy_(padded[: flat.numel()].view_as(tensor))
+    return tensor
+"""
+
+
 def students(lesson: Path, solution: Path) -> list[panel.Student]:
     """Lesson 00. The cheater hard-codes the byte counts, sums through rank 0 with send/recv
     instead of a ring, and uses reduce + broadcast for the two-phase exercise (each 0, the
     last two by the traffic check); the borrower calls parakit's answers (0 by the
-    tripwires); `all_reduce_in_ring` calls dist.all_reduce inside the ring and loses that
-    exercise only. The kernel hangs in the bytes exercise and dies in the two-phase one; in
+    tripwires); `all_reduce_in_ring` calls dist.all_reduce inside the ring and makes the two-phase
+    buffers on the CPU (right on gloo, 0 by the emulated GPU box's hidden case, where NCCL
+    refuses a CPU tensor). The kernel hangs in the bytes exercise and dies in the two-phase one; in
     `rank_fails` a rank dies inside the ring and the two-phase all-reduce deadlocks (a rank
     receives what nobody sends), each found within seconds. Both lose the bytes exercise too:
     it checks the formula against the bytes the student's own ring sends. Techniques: `chain_ring` sends only to
@@ -142,7 +157,8 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
         "ring_all_reduce": "def ring_all_reduce(tensor):\n    return comm.ring_all_reduce(tensor)\n",
         "all_reduce_two_phase": "def all_reduce_two_phase(tensor):\n    return comm.all_reduce_two_phase(tensor)\n",
     }
-    all_reduce_in_ring = {"ring_all_reduce": "def ring_all_reduce(tensor):\n    dist.all_reduce(tensor)\n    return tensor\n"}
+    all_reduce_in_ring = {"ring_all_reduce": "def ring_all_reduce(tensor):\n    dist.all_reduce(tensor)\n    return tensor\n",
+                          "all_reduce_two_phase": CPU_BUFFERS}
     rank_fails = {
         "ring_all_reduce": "def ring_all_reduce(tensor):\n    import os\n    if dist.get_rank() == 1:\n"
                            "        os._exit(1)\n    return tensor\n",
@@ -153,7 +169,8 @@ def students(lesson: Path, solution: Path) -> list[panel.Student]:
         lesson, solution, hang_in="ring_bytes_per_rank", crash_in="all_reduce_two_phase",
         hardcoded=cheats, hardcoded_expected=dict.fromkeys(pts, 0.0), borrowed=borrowed,
         extra=[panel.Student("all_reduce_in_ring", {name: panel.with_sources(full, all_reduce_in_ring)},
-                             {**pts, "test_ring_all_reduce": 0.0, "test_ring_bytes_per_rank": 0.0}),
+                             {**pts, "test_ring_all_reduce": 0.0, "test_ring_bytes_per_rank": 0.0,
+                              "test_all_reduce_two_phase": 0.0}),
                panel.Student("rank_fails", {name: panel.with_sources(full, rank_fails)},
                              {**pts, "test_ring_all_reduce": 0.0, "test_all_reduce_two_phase": 0.0,
                               "test_ring_bytes_per_rank": 0.0}),
