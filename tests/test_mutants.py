@@ -414,3 +414,21 @@ def test_an_exercise_without_a_mutant_is_listed_with_its_reason_or_as_lacking_on
     assert "- add: a function of its arguments: its value is graded" in text
     assert "- with_precision: NO REASON: a mutant to write, or a line in the catalog" in text
     assert "| add | 0 | 0 | 0 | 0 |" in text and "| sum_of_squares | buffer_kept |" in text
+
+
+@pytest.mark.timeout(900)
+def test_a_sample_of_a_real_lessons_mutants_is_killed_the_device_generators_on_the_gpu_box(tmp_path):
+    """CI's sample of the course's own mutants: lesson 05's checkpoint under rng_not_restored, graded by the command
+    as it grades the course (the solution too): all sites at once, then each alone. Each loses the exercise's points,
+    the device generator's restore (-3) too, which survived while every graded rank ran on the CPU: the emulated GPU
+    box's hidden case has dropout draw from that generator."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run([sys.executable, "-m", "autograde.mutants", "--lesson", "05", "--exercise", "my_checkpoint",
+                          "--operator", "rng_not_restored", "--table", str(tmp_path / "MUTANTS.md"),
+                          "--out", str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    outcomes = [line.strip().split(": ")[:2] for line in run.stdout.splitlines() if "rng_not_restored" in line]
+    assert outcomes == [[f"my_checkpoint.rng_not_restored{site}", "killed"] for site in ("", "-1", "-2", "-3")], \
+        run.stdout
+    assert "| my_checkpoint | 4 | 4 | 0 | 0 |" in (tmp_path / "MUTANTS.md").read_text()
