@@ -115,8 +115,9 @@ def _batch_isend_irecv(p2p_op_list):
 
 def _object_device(group=None) -> str:
     """Where all_gather_object and its kind put their bytes: for an emulated group (or one
-    registered as "fnccl", as the grading relay is on the emulated box) the rank's own fgpu, as NCCL's "cuda" means the current GPU (an fgpu without index would be fgpu:0
-    in `.to`, whose index PyTorch takes from a device guard a Python backend cannot give)."""
+    registered as "fnccl", as the grading relay is on the emulated box) the rank's own fgpu,
+    as NCCL's "cuda" means the current GPU (an fgpu without index would be fgpu:0 in `.to`,
+    whose index PyTorch takes from a device guard a Python backend cannot give)."""
     group = group or c10d._get_default_group()
     if isinstance(group, EmulatedNCCL) or c10d.get_backend(group) == BACKEND:  # or a group standing in for it
         return str(getattr(group, "device", None) or torch.device(fgpu.NAME, fgpu.current_device()))
