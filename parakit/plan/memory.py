@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import torch
 
-from parakit.pipeline import build_schedule, simulate
+from parakit.pipeline import Schedule, build_schedule, simulate
 from parakit.plan.spec import DTYPES, Cluster, Config, Model, problems
 from parakit.sequence_parallel import paper_activation_bytes
 from parakit.zero.optimizer import owner_buckets
@@ -229,8 +229,15 @@ def in_flight(config: Config) -> list[int]:
 
 
 @lru_cache(maxsize=512)
+def built_schedule(schedule: str, p: int, m: int, v: int | None) -> Schedule:
+    """build_schedule's (frozen) Schedule, built once per shape: a search prices the same
+    few shapes under many configurations' times."""
+    return build_schedule(schedule, p, m, v)
+
+
+@lru_cache(maxsize=512)
 def _peaks(schedule: str, p: int, m: int, v: int | None) -> tuple[int, ...]:
-    return tuple(simulate(build_schedule(schedule, p, m, v)).peak_activations)
+    return tuple(simulate(built_schedule(schedule, p, m, v)).peak_activations)
 
 
 def in_flight_with_gradients(config: Config) -> list[int]:
@@ -246,7 +253,7 @@ def in_flight_with_gradients(config: Config) -> list[int]:
 
 @lru_cache(maxsize=512)
 def _after_backward(schedule: str, p: int, m: int, v: int | None) -> tuple[int, ...]:
-    line = simulate(build_schedule(schedule, p, m, v))
+    line = simulate(built_schedule(schedule, p, m, v))
     split = any(e.action.op == "W" for e in line.events)
     release = "W" if split else "B"
     out = []

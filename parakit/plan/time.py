@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from parakit.context_parallel import ring_bytes_per_rank
-from parakit.pipeline import build_schedule, simulate
-from parakit.plan.memory import PlanError, stage_tensors, zero_layout
+from parakit.pipeline import simulate
+from parakit.plan.memory import PlanError, built_schedule, stage_tensors, zero_layout
 from parakit.plan.spec import DTYPES, Cluster, Config, Model, problems
 from parakit.zero.paper import zero_comm_bytes
 
@@ -172,7 +172,7 @@ def _pipeline(schedule: str, p: int, m: int, v: int | None, f: float, b: float, 
     times = {"F": f, "B": b, "W": 0, "SEND_F": send, "SEND_B": send}
     if schedule in ("zbh1", "zbv"):
         times.update(B=b / 2, W=b / 2)
-    line = simulate(build_schedule(schedule, p, m, v), times)
+    line = simulate(built_schedule(schedule, p, m, v), times)
     sends = [0.0] * p
     for e in line.events:
         if e.action.op in ("SEND_F", "SEND_B"):
