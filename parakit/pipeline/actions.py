@@ -32,32 +32,28 @@ class Op(enum.StrEnum):
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
 
-    @property
-    def is_compute(self) -> bool:
-        return self in (Op.F, Op.B, Op.W)
+    # Each op's attributes (set below, plain attributes: the simulator reads them millions of
+    # times, and a property is a call each time, which a sealed rank's watch sees):
+    #   is_compute  whether it is an F, B or W
+    #   compute     the F, B or W it runs, or the F or B whose result it carries
+    #   send, recv  the send that carries this compute's result on (SEND_F for F, SEND_B for B),
+    #               the receive that takes it in (RECV_F for F, RECV_B for B)
+    #   step        which way the result travels along the stages: +1 for F, -1 for B, 0 for W
+    #               (it stays: weight gradients go to nobody)
+    is_compute: bool
+    compute: Op
+    send: Op
+    recv: Op
+    step: int
 
-    @property
-    def compute(self) -> Op:
-        """The F, B or W this op runs, or the F or B whose result it carries."""
-        if self is Op.W:
-            return Op.W
-        return Op.F if self in (Op.F, Op.SEND_F, Op.RECV_F) else Op.B
 
-    @property
-    def send(self) -> Op:
-        """The send that carries this compute's result on: SEND_F for F, SEND_B for B."""
-        return Op.SEND_F if self.compute is Op.F else Op.SEND_B
-
-    @property
-    def recv(self) -> Op:
-        """The receive that takes this compute's result in: RECV_F for F, RECV_B for B."""
-        return Op.RECV_F if self.compute is Op.F else Op.RECV_B
-
-    @property
-    def step(self) -> int:
-        """Which way the result travels along the stages: +1 for F, -1 for B, 0 for W (it
-        stays: weight gradients go to nobody)."""
-        return {Op.F: 1, Op.B: -1, Op.W: 0}[self.compute]
+for _op in Op:
+    _op.compute = Op.W if _op is Op.W else Op.F if _op in (Op.F, Op.SEND_F, Op.RECV_F) else Op.B
+    _op.is_compute = _op in (Op.F, Op.B, Op.W)
+    _op.send = Op.SEND_F if _op.compute is Op.F else Op.SEND_B
+    _op.recv = Op.RECV_F if _op.compute is Op.F else Op.RECV_B
+    _op.step = {Op.F: 1, Op.B: -1, Op.W: 0}[_op.compute]
+del _op
 
 
 class _Fields(NamedTuple):
